@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# The engine owns both cores; tests run in one process, one model at a time.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    from wafer.models.loader import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def smollm_hf():
+    """transformers' own load of the same GGUF: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from wafer.models.loader import default_model_path
+
+    p = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tok():
+    from tests.tiny import hf_tokenizer
+
+    return hf_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    from tests.tiny import make_hf_model
+
+    return make_hf_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

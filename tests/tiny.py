@@ -1,0 +1,135 @@
+"""Tiny models for tests, built with transformers and saved in the real formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import quantize
+
+from wafer.models.gguf_loader import permute_rope
+from wafer.models.loader import default_model_path
+
+Q = GGMLQuantizationType
+
+
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    p = default_model_path()
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+def make_hf_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random model with SmolLM2's vocabulary, saved as safetensors with tokenizer files."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    cfg_cls, model_cls = classes[arch]
+    kwargs = dict(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.15,
+        bos_token_id=1, eos_token_id=2,
+    )
+    if arch == "llama":
+        kwargs["rope_theta"] = 10000.0
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kwargs)).float().eval()
+    if arch == "qwen2":  # random biases, so that a dropped bias would show
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    hf_tokenizer().save_pretrained(out)
+    return out
+
+
+def _quantised(arr: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        # The gguf package cannot quantise to K-quants; random blocks with sane scales are valid.
+        from gguf.constants import GGML_QUANT_SIZES
+
+        block, size = GGML_QUANT_SIZES[qtype]
+        rows, cols = arr.shape
+        raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+        scale = np.full((rows, cols // block), 0.002, dtype=np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+        if qtype == Q.Q6_K:  # d is the last two bytes
+            raw[..., -2:] = scale
+        else:  # d and dmin are the first four bytes
+            raw[..., 0:2] = scale
+            raw[..., 2:4] = scale
+        return raw.reshape(rows, -1)
+    return quantize(arr, qtype)
+
+
+def hf_to_gguf(hf_dir: Path, out: Path, qtype: GGMLQuantizationType = Q.F32, seed: int = 0) -> Path:
+    """Write the model in `hf_dir` as GGUF the way llama.cpp's converter lays it out."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = "qwen2" if cfg["model_type"] == "qwen2" else "llama"
+    state = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // n_heads)
+    w.add_vocab_size(cfg["vocab_size"])
+    src = GGUFReader(str(default_model_path()))
+    f = src.fields
+    w.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
+    w.add_token_list(f["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(f["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(f["tokenizer.chat_template"].contents())
+    rng = np.random.default_rng(seed)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer_names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                   "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                   "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                   "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                   "self_attn.v_proj.bias": "attn_v.bias",
+                   "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                   "mlp.down_proj.weight": "ffn_down.weight"}
+    for name, t in state.items():
+        if name in names:
+            gname = names[name]
+        else:
+            _, _, i, rest = name.split(".", 3)
+            gname = f"blk.{i}.{layer_names[rest]}"
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
+            t = permute_rope(t, n_heads)
+        elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
+            t = permute_rope(t, n_kv)
+        arr = t.float().numpy()
+        if arr.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(gname, _quantised(arr, qtype, rng), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -1,0 +1,1 @@
+"""The engine: sequences, KV cache, scheduling, the model runner and sampling."""

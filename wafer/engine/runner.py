@@ -1,0 +1,67 @@
+"""Run the model on one scheduled step: flatten the sequences into one batch and get logits."""
+
+from __future__ import annotations
+
+import torch
+
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.scheduler import ScheduledSeq
+from wafer.models.attention import AttentionBatch, PrefillChunk, causal_mask, decode_mask
+from wafer.models.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.window = model.config.sliding_window
+
+    def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+        """Logits [number of sampling sequences, vocab], in the order of `scheduled`
+        filtered to those that sample (or, with all_logits, for every token in batch order).
+        Single-token items go first so they attend together."""
+        singles = [s for s in scheduled if s.count == 1]
+        chunks = [s for s in scheduled if s.count > 1]
+        order = singles + chunks
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for item in order:
+            seq, start, n = item.seq, item.start, item.count
+            if n > 1:
+                ctx = start + n
+                prefills.append(PrefillChunk(len(ids), n, seq.slot, ctx, causal_mask(start, n, self.window)))
+            ids.extend(seq.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend([seq.slot] * n)  # type: ignore[list-item]
+        dec_pairs = [(s.seq.slot, s.start + 1) for s in singles]
+        span = max((slot for slot, _ in dec_pairs), default=-1) + 1
+        dec_len = max((n for _, n in dec_pairs), default=0)
+        dec_slots = [slot for slot, _ in dec_pairs]
+        batch = AttentionBatch(
+            slots=torch.tensor(slots, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            num_decode=len(singles),
+            decode_slots=torch.tensor(dec_slots, dtype=torch.long),
+            decode_span=span,
+            decode_len=dec_len,
+            decode_mask=decode_mask(dec_pairs, span, dec_len, self.window) if singles else None,
+            decode_dense=dec_slots == list(range(span)),
+            prefills=prefills,
+        )
+        # Logits rows in the caller's order of `scheduled`, for the items that sample.
+        ends: dict[int, int] = {}
+        offset = 0
+        for item in order:
+            offset += item.count
+            ends[id(item)] = offset - 1
+        rows = [ends[id(item)] for item in scheduled if item.samples]
+        logits_rows = None if all_logits else torch.tensor(rows, dtype=torch.long)
+        return self.model(
+            torch.tensor(ids, dtype=torch.long),
+            batch.positions,
+            batch,
+            self.kv.layers,
+            logits_rows,
+        )

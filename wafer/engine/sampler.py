@@ -1,0 +1,86 @@
+"""Turn a batch of logits into next tokens, one row per sequence, each with its own parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from wafer.engine.sequence import Sequence, TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """Repetition (over prompt and output, as vLLM and HF do), presence and frequency (over
+    output, as OpenAI defines them) penalties and logit bias, on one row."""
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long)
+        vals = logits[ids]
+        logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = seq.output_ids
+        if out:
+            ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
+            logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; logits already divided by temperature."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the best token).
+        drop = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [len(seqs), vocab] float32. Returns the next token and its logprobs per row."""
+        want_lp = [s.params.logprobs is not None for s in seqs]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if all(s.params.greedy and not s.params.needs_processing for s in seqs):
+            chosen = logits.argmax(dim=-1).tolist()  # the common case: one op, one sync
+        else:
+            chosen = []
+            for i, seq in enumerate(seqs):
+                chosen.append(self._sample_row(logits[i], seq))
+        lps: list[TokenLogprob | None] = []
+        for i, seq in enumerate(seqs):
+            if raw_lp is None or seq.params.logprobs is None:
+                lps.append(None)
+                continue
+            row = raw_lp[i]
+            k = seq.params.logprobs
+            top = row.topk(k) if k > 0 else None
+            alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            lps.append(TokenLogprob(chosen[i], float(row[chosen[i]]), alts))
+        return chosen, lps
+
+    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+        p = seq.params
+        if p.needs_processing:
+            row = apply_penalties(row.clone(), seq)
+        if p.greedy:
+            return int(row.argmax())
+        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = row.softmax(-1)
+        gen = seq.generator or self.generator
+        return int(torch.multinomial(probs, 1, generator=gen))

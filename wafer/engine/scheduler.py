@@ -1,0 +1,80 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every running sequence that has finished its prompt decodes one token per step. Prompts are
+prefilled in chunks from a per-step token budget, so a long prompt never stalls the decoders.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.sequence import Sequence, Status
+
+
+@dataclass(eq=False)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    count: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so its last logits give a token."""
+        return self.start + self.count == len(self.seq.tokens)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_running: int, max_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_running = min(max_running, kv.num_slots)
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Decoders first (one token each), then prefill chunks while the budget lasts."""
+        out: list[ScheduledSeq] = []
+        budget = self.max_batched_tokens
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            remaining = len(seq.tokens) - seq.num_cached
+            if remaining == 1:
+                out.append(ScheduledSeq(seq, seq.num_cached, 1))
+                budget -= 1
+            else:
+                prefilling.append(seq)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            n = min(len(seq.tokens) - seq.num_cached, budget)
+            out.append(ScheduledSeq(seq, seq.num_cached, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and self.kv.num_free:
+            seq = self.waiting.popleft()
+            seq.slot = self.kv.allocate()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(len(seq.tokens) - seq.num_cached, budget)
+            out.append(ScheduledSeq(seq, seq.num_cached, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and give its slot back."""
+        seq.status = Status.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.slot is not None:
+            self.kv.free(seq.slot)
+            seq.slot = None

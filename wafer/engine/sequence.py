@@ -1,0 +1,104 @@
+"""Requests as the engine sees them: sampling parameters, sequences, and what a step returns."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+_ids = itertools.count()
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or less: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k alternatives
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5 or self.top_k == 1
+
+    @property
+    def needs_processing(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation: its prompt, what it produced, and where its KV lives."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    tokens: list[int] = field(init=False)  # prompt then output
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_cached: int = 0  # tokens whose K and V are in the cache
+    num_cached_prompt: int = 0  # prompt tokens reused from an earlier request (prefix cache)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    text: str = ""  # output text so far, stop strings cut off
+    emitted: int = 0  # characters of `text` already handed out
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class SequenceOutput:
+    """What one step did for one sequence."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    text: str  # new text, safe to show (never part of a stop string or half a character)
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprob]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int

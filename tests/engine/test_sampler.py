@@ -1,0 +1,74 @@
+"""Sampler features on hand-made logits, where the right answer is known."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from wafer.engine.sampler import Sampler, apply_penalties, filter_logits
+from wafer.engine.sequence import SamplingParams, Sequence
+
+
+def seq(params: SamplingParams, prompt=(0,), out=()) -> Sequence:
+    s = Sequence(list(prompt), params)
+    s.tokens.extend(out)
+    return s
+
+
+def test_greedy_takes_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
+    toks, _ = Sampler(0)(logits, [seq(SamplingParams(temperature=0)), seq(SamplingParams(temperature=0))])
+    assert toks == [1, 0]
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isinf(filter_logits(logits, 2, 1.0, 0.0)).tolist() == [False, False, True, True]
+    # top_p 0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it.
+    assert torch.isinf(filter_logits(logits, 0, 0.7, 0.0)).tolist() == [False, False, True, True]
+    assert torch.isinf(filter_logits(logits, 0, 0.85, 0.0)).tolist() == [False, False, False, True]
+    # min_p 0.2: keep tokens with p >= 0.2 * 0.5 = 0.1
+    assert torch.isinf(filter_logits(logits, 0, 1.0, 0.2)).tolist() == [False, False, False, True]
+
+
+def test_penalties_and_bias():
+    logits = torch.tensor([2.0, 2.0, -2.0, 1.0])
+    s = seq(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[3], out=[0, 0, 1])
+    out = apply_penalties(logits.clone(), s)
+    assert out.tolist() == [2.0 - 0.5 - 0.5, 2.0 - 0.25 - 0.5, -2.0, 1.0]  # prompt token 3 untouched
+    s = seq(SamplingParams(repetition_penalty=2.0), prompt=[3], out=[0, 2])
+    assert apply_penalties(logits.clone(), s).tolist() == [1.0, 2.0, -4.0, 0.5]
+    s = seq(SamplingParams(logit_bias={2: 10.0, 0: -100.0}))
+    assert apply_penalties(logits.clone(), s).tolist() == [-98.0, 2.0, 8.0, 1.0]
+    toks, _ = Sampler(0)(logits.view(1, -1), [seq(SamplingParams(temperature=0, logit_bias={2: 10.0}))])
+    assert toks == [2]
+
+
+def test_sampling_follows_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().view(1, -1)
+    s = seq(SamplingParams(temperature=1.0, seed=1))
+    sampler = Sampler(0)
+    n = 4000
+    counts = torch.zeros(3)
+    for _ in range(n):
+        counts[sampler(logits, [s])[0][0]] += 1
+    # Each frequency within 4 standard deviations of its expectation.
+    for p, c in zip(probs.tolist(), counts.tolist()):
+        assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0]])
+    hot = seq(SamplingParams(temperature=0.05, seed=3))
+    toks = [Sampler(0)(logits, [hot])[0][0] for _ in range(200)]
+    assert toks.count(0) == 200
+
+
+def test_logprobs_top_alternatives():
+    logits = torch.log(torch.tensor([[0.1, 0.7, 0.2]]))
+    toks, lps = Sampler(0)(logits, [seq(SamplingParams(temperature=0, logprobs=2))])
+    assert toks == [1]
+    assert abs(lps[0].logprob - math.log(0.7)) < 1e-6
+    assert [t for t, _ in lps[0].top] == [1, 2]

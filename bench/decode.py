@@ -1,0 +1,146 @@
+"""Single-stream decode speed: wafer vs transformers (and llama-cpp-python when installed).
+
+Same GGUF, same chat prompt, greedy, EOS suppressed, 256 new tokens, 2 threads; one warm-up run,
+then the median of 3. Decode tokens/s counts the tokens after the first, over the time after the
+first; TTFT is the time to the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import PROMPT, median_of, now, table  # noqa: E402
+
+THREADS = 2
+
+
+def wafer_runner(n_new: int):
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+    from wafer.models.loader import load_model
+
+    loaded = load_model()
+    engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=2048))
+    tok = loaded.tokenizer
+
+    def prompt_ids(text: str) -> list[int]:
+        return tok.encode(loaded.chat_template.render([{"role": "user", "content": text}]), add_special_tokens=False)
+
+    def run(ids: list[int], n: int = n_new) -> tuple[float, float]:
+        params = SamplingParams(max_tokens=n, temperature=0, logit_bias={e: -1e9 for e in tok.eos_ids})
+        t0 = now()
+        seq = engine.add(ids, params)
+        first = None
+        while not seq.finished:
+            engine.step()
+            if first is None and seq.output_ids:
+                first = now()
+        end = now()
+        assert len(seq.output_ids) == n
+        return first - t0, (n - 1) / (end - first)
+
+    return prompt_ids, run
+
+
+def hf_runner(n_new: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from wafer.models.loader import default_model_path
+
+    p = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+    def run(ids: list[int], n: int = n_new) -> tuple[float, float]:
+        x = torch.tensor([ids])
+        t0 = now()
+        model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        ttft = now() - t0
+        t0 = now()
+        model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        total = now() - t0
+        return ttft, (n - 1) / max(total - ttft, 1e-9)
+
+    return tok, run
+
+
+def llama_cpp_runner(n_new: int):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from wafer.models.loader import default_model_path
+
+    llm = Llama(str(default_model_path()), n_ctx=2048, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+    eos = llm.token_eos()
+
+    def run(ids: list[int], n: int = n_new) -> tuple[float, float]:
+        llm.reset()
+        t0 = now()
+        first = None
+        count = 0
+        for _tok in llm.generate(ids, temp=0.0, top_k=1, reset=True, logits_processor=[lambda _i, s: _suppress(s, eos)]):
+            count += 1
+            if first is None:
+                first = now()
+            if count >= n:
+                break
+        end = now()
+        return first - t0, (n - 1) / (end - first)
+
+    return run
+
+
+def _suppress(scores, eos):
+    scores[eos] = -1e9
+    return scores
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--long-prompt", type=int, default=1024, help="tokens in the long-prompt TTFT case")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+    prompt_ids, wafer_run = wafer_runner(args.tokens)
+    ids = prompt_ids(PROMPT)
+    filler = " ".join(["The lighthouse stood on the rocky shore and watched the sea."] * 200)
+    long_ids = prompt_ids(filler)[: args.long_prompt - 8] + ids[-8:]
+    systems: dict[str, object] = {"wafer": wafer_run}
+    _, hf_run = hf_runner(args.tokens)
+    systems["transformers"] = hf_run
+    lc = llama_cpp_runner(args.tokens)
+    if lc is not None:
+        systems["llama-cpp-python"] = lc
+
+    results: dict[str, tuple[float, float, float]] = {}
+    for name, run in systems.items():
+        run(ids, 8)  # warm-up
+        decode = median_of(args.repeats, lambda: run(ids)[1])
+        ttft_short = median_of(args.repeats, lambda: run(ids, 1)[0])
+        ttft_long = median_of(1, lambda: run(long_ids, 1)[0])
+        results[name] = (decode, ttft_short, ttft_long)
+        print(f"  measured {name}", file=sys.stderr)
+
+    print(f"Single-stream decode, default model, {len(ids)}-token chat prompt, greedy, EOS suppressed, "
+          f"{args.tokens} new tokens, {THREADS} threads, median of {args.repeats}")
+    base = results["wafer"][0]
+    rows = []
+    for name, (dec, t1, t2) in results.items():
+        rows.append([name, f"{dec:.1f}", f"{t1 * 1000:.0f}", f"{t2 * 1000:.0f}", f"{base / dec:.2f}x"])
+    print(table(["system", "decode tok/s", f"TTFT {len(ids)}-tok ms", f"TTFT {len(long_ids)}-tok ms",
+                 "wafer speed / this"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The `wafer` command as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wafer.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_info_default_model():
+    r = run("info")
+    assert r.returncode == 0, r.stderr
+    assert "llama" in r.stdout and "46,080" in r.stdout and "8192" in r.stdout and "Q4_1" in r.stdout
+
+
+def test_generate_streams_greedy_text():
+    r = run("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tokens/s" in r.stderr
+
+
+def test_chat_is_multi_turn():
+    args = ("chat", "--temperature", "0", "--max-tokens", "40")
+    r = run(*args, stdin="Hi, I am Alice.\nWhat did I say my name was?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    replies = r.stdout.split(">>> ")
+    assert len(replies) == 4  # two answers, then the prompt that read /exit
+    assert "Alice" in replies[1]
+    # The second answer depends on the first turn: asked alone, the same question gets another reply.
+    alone = run(*args, stdin="What did I say my name was?\n").stdout.split(">>> ")[1]
+    assert replies[2] != alone

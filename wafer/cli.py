@@ -1,0 +1,222 @@
+"""The `wafer` command: generate, chat, info, serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from wafer.errors import WaferError
+
+if TYPE_CHECKING:
+    from wafer.engine.engine import LLMEngine
+    from wafer.engine.sequence import SamplingParams
+    from wafer.models.loader import LoadedModel
+
+EXIT_USAGE = 2
+
+
+def load_with_progress(model: str | None, quiet: bool = False) -> "LoadedModel":
+    """Load a model, with a progress bar on stderr."""
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from wafer.models.loader import load_model
+
+    torch.set_num_threads(torch.get_num_threads())
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+                  TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
+        task = bar.add_task(f"loading {model or 'default model'}", total=None)
+        loaded = load_model(model, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if not quiet:
+        console.print(f"[dim]loaded {loaded.name} ({loaded.config.arch}, {loaded.num_parameters / 1e6:.0f}M parameters)[/]")
+    return loaded
+
+
+def make_engine(loaded: "LoadedModel", args: argparse.Namespace) -> "LLMEngine":
+    from wafer.engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(loaded, EngineConfig(max_running=getattr(args, "max_running", 4) or 4,
+                                          max_model_len=args.max_model_len))
+
+
+def sampling_from_args(args: argparse.Namespace, eos_ids: list[int]) -> "SamplingParams":
+    from wafer.engine.sequence import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, ignore_eos=getattr(args, "ignore_eos", False),
+    )
+
+
+def stream(engine: "LLMEngine", prompt_ids: list[int], params: "SamplingParams") -> tuple[str, int, float, float]:
+    """Print tokens as they come; returns (text, tokens, time to first token, decode seconds)."""
+    start = time.perf_counter()
+    seq = engine.add(prompt_ids, params)
+    first: float | None = None
+    while not seq.finished:
+        for out in engine.step():
+            if out.seq_id != seq.seq_id:
+                continue
+            if first is None:
+                first = time.perf_counter()
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    end = time.perf_counter()
+    first = first or end
+    return seq.text, len(seq.output_ids), first - start, end - first
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    loaded = load_with_progress(args.model, args.quiet)
+    engine = make_engine(loaded, args)
+    tok = loaded.tokenizer
+    if args.chat:
+        ids = tok.encode(loaded.chat_template.render([{"role": "user", "content": args.prompt}]), add_special_tokens=False)
+    else:
+        ids = tok.encode(args.prompt)
+    engine.warmup()
+    _, n, ttft, decode_s = stream(engine, ids, sampling_from_args(args, tok.eos_ids))
+    sys.stdout.write("\n")
+    if not args.quiet:
+        rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+        print(f"[{len(ids)} prompt tokens, {n} generated; TTFT {ttft * 1000:.0f} ms; decode {rate:.1f} tokens/s]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    loaded = load_with_progress(args.model, args.quiet)
+    engine = make_engine(loaded, args)
+    tok = loaded.tokenizer
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("wafer chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode(loaded.chat_template.render(history), add_special_tokens=False)
+        if len(ids) + args.max_tokens >= engine.max_model_len:
+            print("(conversation too long for the context; /reset to start over)", file=sys.stderr)
+            history.pop()
+            continue
+        try:
+            text, *_ = stream(engine, ids, sampling_from_args(args, tok.eos_ids))
+        except KeyboardInterrupt:
+            text = ""
+        print()
+        history.append({"role": "assistant", "content": text})
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from wafer.models.loader import resolve_path
+
+    path = resolve_path(args.model)
+    loaded = load_with_progress(args.model, quiet=True)
+    c = loaded.config
+    rows = [
+        ("model", loaded.name),
+        ("path", str(path)),
+        ("architecture", c.arch),
+        ("parameters", f"{loaded.num_parameters:,}"),
+        ("file weights", c.quantization),
+        ("compute path", "float32 (dense, dequantised at load)"),
+        ("layers", str(c.num_layers)),
+        ("hidden size", str(c.hidden_size)),
+        ("attention heads", f"{c.num_heads} query, {c.num_kv_heads} KV (head dim {c.head_dim})"),
+        ("context length", str(c.max_position_embeddings)),
+        ("KV bytes per token", f"{c.kv_bytes_per_token:,} (float32)"),
+        ("vocabulary", str(c.vocab_size)),
+        ("rope", f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling}" if c.rope_scaling else "")),
+        ("sliding window", str(c.sliding_window) if c.sliding_window else "none"),
+        ("tied embeddings", str(c.tie_word_embeddings).lower()),
+        ("chat template", "model's own" if loaded.tokenizer.chat_template else "default (ChatML)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from wafer.server.main import serve
+
+    return serve(args)
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=4096, help="context to allocate (default 4096)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or statistics")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wafer", description="Serve and run LLMs (GGUF or Hugging Face).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    model_help = "GGUF file or Hugging Face directory (default: bundled SmolLM2-135M-Instruct)"
+
+    g = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--model", "-m", default=None, help=model_help)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    _sampling_args(g, 256)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c.add_argument("model", nargs="?", default=None, help=model_help)
+    c.add_argument("--system", default=None, help="system message")
+    _sampling_args(c, 512)
+    c.set_defaults(func=cmd_chat)
+
+    i = sub.add_parser("info", help="describe a model")
+    i.add_argument("model", nargs="?", default=None, help=model_help)
+    i.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model", nargs="?", default=None, help=model_help)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
+    s.add_argument("--max-running", type=int, default=16, help="sequences decoded together")
+    s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
+    s.add_argument("--max-model-len", type=int, default=4096, help="context to allocate per sequence")
+    s.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step (prefill chunk)")
+    s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
+    s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except WaferError as e:
+        print(f"wafer: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -120,6 +121,9 @@ class TextTokenizer:
         self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
         eos_ids = [tokenizer.token_to_id(eos_token)] if eos_token else []
         self.eos_ids: list[int] = [i for i in eos_ids + list(extra_eos_ids or []) if i is not None]
+        # Byte-level vocabularies spell bytes with printable characters; invert that for `bytes`.
+        self._byte_of = {c: b for b, c in _byte_alphabet().items()} if tokenizer.token_to_id("Ġ") is not None else None
+        self._special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
 
     @property
     def vocab_size(self) -> int:
@@ -135,8 +139,15 @@ class TextTokenizer:
         return self.tokenizer.id_to_token(i) or ""
 
     def token_bytes(self, i: int) -> bytes:
-        """The UTF-8 bytes a token stands for (for logprobs' `bytes` field)."""
-        return self.decode([i], skip_special_tokens=False).encode("utf-8", errors="replace")
+        """The raw bytes a token stands for (for logprobs): may be part of a UTF-8 character."""
+        s = self.tokenizer.id_to_token(i) or ""
+        if s in self._special:
+            return s.encode("utf-8")
+        if self._byte_of is not None and all(c in self._byte_of for c in s):
+            return bytes(self._byte_of[c] for c in s)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", s):
+            return bytes([int(s[3:5], 16)])
+        return s.replace("▁", " ").encode("utf-8")
 
     @classmethod
     def from_gguf(cls, data: GGUFTokenizerData, scores: list[float] | None = None) -> "TextTokenizer":

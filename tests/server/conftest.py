@@ -1,0 +1,86 @@
+"""A real wafer server on a free loopback port, in this process so tests can look inside it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from wafer.server.app import create_app
+from wafer.server.main import build_served
+from wafer.server.openai_api import ServedModel
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    served: ServedModel
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def engine(self):  # the LLMEngine inside
+        return self.served.engine.engine
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.served.engine.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.served.engine.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(loaded, api_keys=None, max_running=16, max_waiting=64, names=None, **app_kw) -> RunningServer:
+    served = build_served(loaded, names or [MODEL], max_running, max_waiting, 2048, 256)
+    app = create_app(served, api_keys, **app_kw)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    return RunningServer(base, served, server, thread)
+
+
+@pytest.fixture(scope="session")
+def server(smollm) -> Iterator[RunningServer]:
+    s = start_server(smollm)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def aclient(server):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,136 @@
+"""The FastAPI application: routes, authentication, body limits, and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from wafer.server.errors import APIError, server_error
+from wafer.server.openai_api import OpenAIHandlers, ServedModel
+from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+log = logging.getLogger("wafer.server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class BodyLimit:
+    """413 for a body over the limit, whether it declares its length or streams it in chunks."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = APIError(413, f"Request body too large (limit {self.limit} bytes).", "invalid_request_error",
+                           None, "request_too_large")
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await too_big.response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise too_big
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="wafer", docs_url=None, redoc_url=None)
+    handlers = OpenAIHandlers(served)
+    keys = list(api_keys or [])
+    app.state.served = served
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return APIError(e.status_code, str(e.detail), "invalid_request_error", None, kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return server_error("Internal server error.").response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if keys and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if not header:
+                return APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
+                                "invalid_request_error", None, "invalid_api_key").response()
+            if scheme.lower() != "bearer" or not any(secrets.compare_digest(token.strip(), k) for k in keys):
+                return APIError(401, "Incorrect API key provided.", "invalid_request_error", None,
+                                "invalid_api_key").response()
+        try:
+            return await call_next(request)
+        except APIError as e:  # raised by BodyLimit while the body was being read
+            return e.response()
+
+    async def read_json(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"We could not parse the JSON body of your request ({e.msg if hasattr(e, 'msg') else e}).",
+                           "invalid_request_error", None, "invalid_json") from None
+
+    def check_model(name: str) -> None:
+        if name not in served.names:
+            raise APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": served.created, "owned_by": "wafer",
+                "max_model_len": served.max_model_len}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = served.engine.accepting
+        return JSONResponse({"status": "ok" if ok else "draining", "running": served.engine.num_running,
+                             "waiting": served.engine.num_waiting}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(n) for n in served.names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card(model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await read_json(request))
+        check_model(req.model)
+        return await handlers.chat(req, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_body(CompletionRequest, await read_json(request))
+        check_model(req.model)
+        return await handlers.completions(req, request)
+
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    return app

@@ -1,0 +1,447 @@
+"""/v1/chat/completions and /v1/completions: from a validated request to engine sequences and
+back to the OpenAI wire format, streamed (SSE) or whole."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from wafer.engine.async_engine import AsyncEngine, EngineFailure, EngineOverloaded, EngineStopped, EngineRequest
+from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
+from wafer.models.chat_template import ChatTemplate, TemplateError
+from wafer.models.tokenizer import TextTokenizer
+from wafer.server.errors import APIError, bad_request, server_error
+from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+
+log = logging.getLogger("wafer.server")
+
+
+@dataclass
+class ServedModel:
+    """A model as the HTTP layer sees it: names, engine, tokenizer, limits."""
+
+    names: list[str]
+    engine: AsyncEngine
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate
+    max_model_len: int
+    fingerprint: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    ping_interval: float = 10.0
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    tokens: int = 0
+    cached: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _finish(reason: str | None) -> str | None:
+    return "length" if reason == "abort" else reason
+
+
+class OpenAIHandlers:
+    def __init__(self, served: ServedModel) -> None:
+        self.m = served
+
+    # --- shared -------------------------------------------------------------------------------
+    def _params(self, req: _Sampling, limit: int, seed_offset: int, logprobs: int | None) -> SamplingParams:
+        vocab = self.m.tokenizer.vocab_size
+        bias: dict[int, float] = {}
+        for key, value in (req.logit_bias or {}).items():
+            tid = int(key)
+            if not 0 <= tid < vocab:
+                raise bad_request(f"logit_bias token id {tid} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
+            bias[tid] = value
+        for tid in req.stop_token_ids or []:
+            if not 0 <= tid < vocab:
+                raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
+        return SamplingParams(
+            max_tokens=limit,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            logit_bias=bias or None,
+            seed=None if req.seed is None else req.seed + seed_offset,
+            stop=req.stop_list,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+
+    def _limit(self, prompt_len: int, requested: int | None, param: str) -> int:
+        ctx = self.m.max_model_len
+        if requested is None:
+            requested = ctx - prompt_len
+        if prompt_len + requested > ctx or requested < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{prompt_len + max(requested, 0)} tokens ({prompt_len} in the {param}, {max(requested, 0)} in the "
+                f"completion). Please reduce the length of the {param} or completion.",
+                "invalid_request_error",
+                param,
+                "context_length_exceeded",
+            )
+        return requested
+
+    def _submit(self, jobs: list[tuple[list[int], SamplingParams]], rid: str) -> list[EngineRequest]:
+        reqs: list[EngineRequest] = []
+        try:
+            for ids, params in jobs:
+                reqs.append(self.m.engine.submit(ids, params, tag=rid))
+        except EngineOverloaded as e:
+            for r in reqs:
+                self.m.engine.abort(r)
+            raise APIError(429, f"The server is overloaded ({e}); retry shortly.", "rate_limit_error", None,
+                           "rate_limit_exceeded", {"Retry-After": "1"}) from None
+        except EngineStopped as e:
+            for r in reqs:
+                self.m.engine.abort(r)
+            raise APIError(503, f"The server is shutting down ({e}).", "server_error", None, "unavailable",
+                           {"Retry-After": "5"}) from None
+        return reqs
+
+    async def _merge(self, streams: list[EngineRequest]) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, output or exception) from all requests as they come. Leaving early
+        aborts every request that has not finished."""
+        q: asyncio.Queue = asyncio.Queue()
+        engine = self.m.engine
+
+        async def pump(i: int, req: EngineRequest) -> None:
+            try:
+                async for out in engine.stream(req):
+                    q.put_nowait((i, out))
+            except Exception as e:  # handed to the consumer, which decides the status
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(streams)]
+        try:
+            done = 0
+            while done < len(streams):
+                i, item = await q.get()
+                if isinstance(item, Exception) or item.finished:
+                    done += 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for r in streams:
+                engine.abort(r)  # a no-op for finished ones; covers pumps cancelled before they started
+
+    async def _collect(self, streams, request: Request, rid: str) -> list[_Choice] | None:  # type: ignore[no-untyped-def]
+        """Run all choices to the end; None if the client went away (its sequences are aborted)."""
+        choices = [_Choice(i) for i in range(len(streams))]
+        merged = self._merge(streams)
+        try:
+            while True:
+                nxt = asyncio.ensure_future(merged.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=0.25)
+                    if done:
+                        break
+                    if await request.is_disconnected():
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)
+                        return None
+                try:
+                    i, out = nxt.result()
+                except StopAsyncIteration:
+                    return choices
+                self._fold(choices[i], out, rid)
+        finally:
+            await merged.aclose()
+
+    def _fold(self, c: _Choice, out: Any, rid: str) -> None:
+        if isinstance(out, EngineFailure):
+            log.error("request %s failed in the engine: %s", rid, out)
+            raise server_error(f"The engine failed while processing the request (request id {rid}).")
+        if isinstance(out, ValueError):
+            raise bad_request(str(out))
+        if isinstance(out, Exception):
+            log.error("request %s failed: %r", rid, out)
+            raise server_error(f"Internal error (request id {rid}).")
+        c.text += out.text
+        c.tokens = out.num_output_tokens
+        c.cached = out.num_cached_tokens
+        c.logprobs.extend(out.logprobs)
+        c.token_ids.extend(out.new_token_ids)
+        if out.finished:
+            c.finish_reason = _finish(out.finish_reason)
+
+    def _usage(self, prompt_tokens: int, choices: list[_Choice]) -> dict[str, Any]:
+        completion = sum(c.tokens for c in choices)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": max((c.cached for c in choices), default=0)},
+            "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 0,
+                                          "rejected_prediction_tokens": 0},
+        }
+
+    def _token_text(self, tid: int) -> tuple[str, list[int]]:
+        b = self.m.tokenizer.token_bytes(tid)
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for lp in lps:
+            tok, b = self._token_text(lp.token_id)
+            top = []
+            for tid, value in lp.top:
+                t, tb = self._token_text(tid)
+                top.append({"token": t, "logprob": value, "bytes": tb})
+            content.append({"token": tok, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+    def _legacy_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in lps:
+            tok, _ = self._token_text(lp.token_id)
+            tokens.append(tok)
+            values.append(lp.logprob)
+            tops.append({self._token_text(t)[0]: v for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _sse(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def _error_event(self, e: Exception, rid: str) -> str:
+        if isinstance(e, APIError):
+            return self._sse(e.body())
+        if isinstance(e, EngineFailure):
+            log.error("request %s failed in the engine mid-stream: %s", rid, e)
+            return self._sse(server_error(f"The engine failed while processing the request (request id {rid}).").body())
+        log.error("request %s failed mid-stream: %r", rid, e)
+        return self._sse(server_error(f"Internal error (request id {rid}).").body())
+
+    def _streaming(self, body: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, streams, rid: str):  # type: ignore[no-untyped-def]
+        """Merged outputs with None whenever ping_interval passes without one."""
+        merged = self._merge(streams)
+        try:
+            nxt = asyncio.ensure_future(merged.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=self.m.ping_interval)
+                if not done:
+                    yield None
+                    continue
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+                nxt = asyncio.ensure_future(merged.__anext__())
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+            await merged.aclose()
+
+    # --- chat -----------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        messages = []
+        for i, msg in enumerate(req.messages):
+            try:
+                text = msg.text()
+            except ValueError as e:
+                raise bad_request(str(e), f"messages[{i}].content") from None
+            m: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": text}
+            if msg.name:
+                m["name"] = msg.name
+            if msg.tool_calls:
+                m["tool_calls"] = [tc.model_dump() for tc in msg.tool_calls]
+            if msg.tool_call_id:
+                m["tool_call_id"] = msg.tool_call_id
+            messages.append(m)
+        try:
+            prompt = self.m.chat_template.render(messages, add_generation_prompt=True)
+        except TemplateError as e:
+            raise bad_request(f"The conversation cannot be rendered by this model's chat template: {e}", "messages")
+        ids = self.m.tokenizer.encode(prompt, add_special_tokens=False)
+        limit = self._limit(len(ids), req.output_limit, "messages")
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        jobs = [(ids, self._params(req, limit, i, lp)) for i in range(req.n)]
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        head = {"id": rid, "created": created, "model": req.model, "system_fingerprint": self.m.fingerprint}
+        streams = self._submit(jobs, rid)
+        if req.stream:
+            return self._streaming(self._chat_stream(streams, head, len(ids), req.include_usage, lp is not None))
+        choices = await self._collect(streams, request, rid)
+        if choices is None:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse({
+            **{"id": rid, "object": "chat.completion"}, **head,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": self._chat_logprobs(c.logprobs) if lp is not None else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": self._usage(len(ids), choices),
+            "service_tier": "default",
+        }, headers={"x-request-id": rid})
+
+    async def _chat_stream(self, streams, head: dict[str, Any], n_prompt: int, include_usage: bool,
+                           want_lp: bool) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+        base = {"id": head["id"], "object": "chat.completion.chunk", **head}
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+            obj = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                obj["usage"] = None
+            return self._sse(obj)
+
+        choices = [_Choice(i) for i in range(len(streams))]
+        for c in choices:
+            yield chunk(c.index, {"role": "assistant", "content": ""})
+        try:
+            async for item in self._events(streams, head["id"]):
+                if item is None:
+                    yield ": ping\n\n"
+                    continue
+                i, out = item
+                if isinstance(out, Exception):
+                    yield self._error_event(out, head["id"])
+                    return
+                c = choices[i]
+                self._fold(c, out, head["id"])
+                if out.text or (want_lp and out.logprobs):
+                    yield chunk(i, {"content": out.text}, None, self._chat_logprobs(out.logprobs) if want_lp else None)
+                if out.finished:
+                    yield chunk(i, {}, c.finish_reason)
+        except APIError as e:
+            yield self._sse(e.body())
+            return
+        if include_usage:
+            yield self._sse({**base, "choices": [], "usage": self._usage(n_prompt, choices)})
+        yield "data: [DONE]\n\n"
+
+    # --- legacy completions ---------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        if req.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", "echo")
+        prompts = self._prompts(req.prompt)
+        tok = self.m.tokenizer
+        jobs = []
+        echoes = []
+        for ids in prompts:
+            limit = self._limit(len(ids), req.output_limit, "prompt")
+            for i in range(req.n):
+                jobs.append((ids, self._params(req, limit, i, req.logprobs)))
+                echoes.append(tok.decode(ids) if req.echo else "")
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
+                "system_fingerprint": self.m.fingerprint}
+        n_prompt = sum(len(p) for p in prompts)
+        streams = self._submit(jobs, rid)
+        if req.stream:
+            return self._streaming(self._completion_stream(streams, head, n_prompt, req.include_usage,
+                                                           req.logprobs is not None, echoes))
+        choices = await self._collect(streams, request, rid)
+        if choices is None:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse({
+            **head,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": echoes[c.index] + c.text,
+                    "logprobs": self._legacy_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": self._usage(n_prompt, choices),
+        }, headers={"x-request-id": rid})
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        tok = self.m.tokenizer
+        if isinstance(prompt, str):
+            prompts = [tok.encode(prompt)]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            prompts = [list(prompt)]
+        elif prompt and all(isinstance(x, str) for x in prompt):
+            prompts = [tok.encode(p) for p in prompt]
+        elif prompt and all(isinstance(x, list) for x in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            raise bad_request("prompt must be a string, a list of strings or a list of token ids", "prompt")
+        vocab = tok.vocab_size
+        for p in prompts:
+            if not p:
+                raise bad_request("prompt must not be empty", "prompt")
+            if any(not 0 <= t < vocab for t in p):
+                raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        return prompts
+
+    async def _completion_stream(self, streams, head: dict[str, Any], n_prompt: int, include_usage: bool,
+                                 want_lp: bool, echoes: list[str]) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+            obj = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                obj["usage"] = None
+            return self._sse(obj)
+
+        choices = [_Choice(i) for i in range(len(streams))]
+        for c in choices:
+            if echoes[c.index]:
+                yield chunk(c.index, echoes[c.index])
+        try:
+            async for item in self._events(streams, head["id"]):
+                if item is None:
+                    yield ": ping\n\n"
+                    continue
+                i, out = item
+                if isinstance(out, Exception):
+                    yield self._error_event(out, head["id"])
+                    return
+                c = choices[i]
+                offset = len(c.text)
+                self._fold(c, out, head["id"])
+                if out.text or (want_lp and out.logprobs):
+                    yield chunk(i, out.text, None, self._legacy_logprobs(out.logprobs, offset) if want_lp else None)
+                if out.finished:
+                    yield chunk(i, "", c.finish_reason)
+        except APIError as e:
+            yield self._sse(e.body())
+            return
+        if include_usage:
+            yield self._sse({**head, "choices": [], "usage": self._usage(n_prompt, choices)})
+        yield "data: [DONE]\n\n"

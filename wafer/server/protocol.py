@@ -1,0 +1,176 @@
+"""Request bodies of the OpenAI API, validated so that each mistake names its parameter.
+
+Numbers are strict (a string is not a temperature) and fields we do not know are accepted and
+ignored, as OpenAI-compatible clients send many.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from wafer.server.errors import APIError, bad_request
+
+Float = Annotated[float, Field(strict=True)]
+Int = Annotated[int, Field(strict=True)]
+Bool = Annotated[bool, Field(strict=True)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: Bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if not isinstance(part, TextPart):
+                raise ValueError(f"content parts of type {part.type!r} are not supported by this text-only model")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=128)] = 1
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: Int | None = None
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = None
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # Extensions that vLLM and llama.cpp also accept.
+    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(strict=True, gt=0.0, le=10.0)] | None = None
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and (v == "" or (isinstance(v, list) and any(s == "" for s in v))):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    echo: Bool = False
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=5)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16  # the legacy API's default
+
+
+def _param_path(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's location as OpenAI spells a parameter: messages[0].role"""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part[:1].isupper() or part in ("function-after", "str", "list[str]"):
+            continue  # union branch names and validator tags are not parameters
+        elif "[" in str(part) or "function-" in str(part):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def parse_body(model: type[_Body], body: object) -> Any:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        # Of a union's failed branches, the one that got past the type check says most.
+        err = sorted(e.errors(), key=lambda x: (x["type"].endswith("_type"), -len(x["loc"])))[0]
+        param = _param_path(tuple(err["loc"]))
+        kind = err["type"]
+        if kind == "missing":
+            msg = f"Missing required parameter: '{param}'."
+        elif kind == "extra_forbidden":
+            msg = f"Unrecognized request argument supplied: {param}"
+        else:
+            what = err["msg"].removeprefix("Value error, ")
+            msg = f"Invalid value for '{param}': {what}." if param else f"Invalid request: {what}."
+        raise APIError(400, msg, "invalid_request_error", param, "missing_required_parameter" if kind == "missing"
+                       else "invalid_value") from None

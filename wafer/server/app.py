@@ -7,7 +7,7 @@ import logging
 import secrets
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,18 +38,40 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await too_big.response()(scope, receive, send)
             return
+        # Read the whole body here (it is small by definition), then replay it to the app.
+        chunks: list[bytes] = []
         seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise too_big
-            return message
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([], message), send)
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.limit:
+                await too_big.response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, None, receive), send)
 
-        await self.app(scope, counting_receive, send)
+
+def _replay(chunks: list[bytes], final: Message | None, receive: Receive | None = None) -> Receive:
+    """A receive() that hands out a body already read, then defers to the real one (which is
+    how the app later learns of a disconnect)."""
+    pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+    if final is not None:
+        pending = [final]
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        if receive is None:
+            return {"type": "http.disconnect"}
+        return await receive()
+
+    return replayed
 
 
 def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -72,21 +94,20 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return server_error("Internal server error.").response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if keys and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if not header:
-                return APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
-                                "invalid_request_error", None, "invalid_api_key").response()
-            if scheme.lower() != "bearer" or not any(secrets.compare_digest(token.strip(), k) for k in keys):
-                return APIError(401, "Incorrect API key provided.", "invalid_request_error", None,
-                                "invalid_api_key").response()
-        try:
-            return await call_next(request)
-        except APIError as e:  # raised by BodyLimit while the body was being read
-            return e.response()
+    async def authorize(request: Request) -> None:
+        """Bearer keys, when the server has any (a dependency, not middleware: Starlette's
+        BaseHTTPMiddleware would hide client disconnects from the handlers)."""
+        if not keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
+                           "invalid_request_error", None, "invalid_api_key")
+        if scheme.lower() != "bearer" or not any(secrets.compare_digest(token.strip(), k) for k in keys):
+            raise APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     async def read_json(request: Request) -> Any:
         raw = await request.body()
@@ -111,26 +132,27 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
         return JSONResponse({"status": "ok" if ok else "draining", "running": served.engine.num_running,
                              "waiting": served.engine.num_waiting}, status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(n) for n in served.names]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         check_model(model_id)
         return model_card(model_id)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_json(request))
         check_model(req.model)
         return await handlers.chat(req, request)
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_json(request))
         check_model(req.model)
         return await handlers.completions(req, request)
 
+    app.include_router(v1)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     return app

@@ -148,28 +148,31 @@ class OpenAIHandlers:
             for r in streams:
                 engine.abort(r)  # a no-op for finished ones; covers pumps cancelled before they started
 
-    async def _collect(self, streams, request: Request, rid: str) -> list[_Choice] | None:  # type: ignore[no-untyped-def]
+    async def _collect(self, streams: list[EngineRequest], request: Request, rid: str) -> list[_Choice] | None:
         """Run all choices to the end; None if the client went away (its sequences are aborted)."""
         choices = [_Choice(i) for i in range(len(streams))]
-        merged = self._merge(streams)
-        try:
-            while True:
-                nxt = asyncio.ensure_future(merged.__anext__())
-                while True:
-                    done, _ = await asyncio.wait({nxt}, timeout=0.25)
-                    if done:
-                        break
-                    if await request.is_disconnected():
-                        nxt.cancel()
-                        await asyncio.gather(nxt, return_exceptions=True)
-                        return None
-                try:
-                    i, out = nxt.result()
-                except StopAsyncIteration:
-                    return choices
+
+        async def consume() -> None:
+            async for i, out in self._merge(streams):
                 self._fold(choices[i], out, rid)
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.1)
+
+        work = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await merged.aclose()
+            for t in (work, watcher):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(work, watcher, return_exceptions=True)
+        if not work.done() or work.cancelled():
+            return None
+        work.result()  # re-raises an APIError from _fold
+        return choices
 
     def _fold(self, c: _Choice, out: Any, rid: str) -> None:
         if isinstance(out, EngineFailure):

@@ -1,0 +1,158 @@
+"""Bad requests, table-driven: each gets its status and an OpenAI-shaped error; the server stays up."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL, start_server
+
+OK_MSG = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": OK_MSG, **kw}
+
+
+# (name, method, path, body (dict, or raw bytes), expected status, expected param or None, expected code or None)
+CASES = [
+    ("malformed json", "POST", CHAT, b'{"model": ', 400, None, "invalid_json"),
+    ("body not an object", "POST", CHAT, b"[1, 2]", 400, None, None),
+    ("not utf-8", "POST", CHAT, b"\xff\xfe\x00", 400, None, "invalid_json"),
+    ("missing model", "POST", CHAT, {"messages": OK_MSG}, 400, "model", "missing_required_parameter"),
+    ("missing messages", "POST", CHAT, {"model": MODEL}, 400, "messages", "missing_required_parameter"),
+    ("empty messages", "POST", CHAT, chat(messages=[]), 400, "messages", None),
+    ("bad role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", None),
+    ("no content", "POST", CHAT, chat(messages=[{"role": "user"}]), 400, "messages[0]", None),
+    ("content wrong type", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
+    ("image part", "POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                                          "image_url": {"url": "x"}}]}]),
+     400, "messages[0].content", None),
+    ("model wrong type", "POST", CHAT, chat(model=7), 400, "model", None),
+    ("temperature string", "POST", CHAT, chat(temperature="hot"), 400, "temperature", None),
+    ("temperature negative", "POST", CHAT, chat(temperature=-0.5), 400, "temperature", None),
+    ("temperature huge", "POST", CHAT, chat(temperature=5), 400, "temperature", None),
+    ("top_p above one", "POST", CHAT, chat(top_p=1.5), 400, "top_p", None),
+    ("max_tokens zero", "POST", CHAT, chat(max_tokens=0), 400, "max_tokens", None),
+    ("max_tokens negative", "POST", CHAT, chat(max_tokens=-3), 400, "max_tokens", None),
+    ("max_tokens float", "POST", CHAT, chat(max_tokens=2.5), 400, "max_tokens", None),
+    ("max_tokens huge", "POST", CHAT, chat(max_tokens=10**9), 400, "messages", "context_length_exceeded"),
+    ("max_completion_tokens zero", "POST", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens", None),
+    ("n zero", "POST", CHAT, chat(n=0), 400, "n", None),
+    ("n too many", "POST", CHAT, chat(n=1000), 400, "n", None),
+    ("stop too many", "POST", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+    ("stop empty string", "POST", CHAT, chat(stop=""), 400, "stop", None),
+    ("presence penalty range", "POST", CHAT, chat(presence_penalty=3), 400, "presence_penalty", None),
+    ("frequency penalty type", "POST", CHAT, chat(frequency_penalty=[1]), 400, "frequency_penalty", None),
+    ("logit_bias key", "POST", CHAT, chat(logit_bias={"hello": 1}), 400, "logit_bias", None),
+    ("logit_bias value", "POST", CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias.5", None),
+    ("logit_bias token out of vocab", "POST", CHAT, chat(logit_bias={"999999": 1}), 400, "logit_bias", None),
+    ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=3), 400, "top_logprobs", None),
+    ("top_logprobs too many", "POST", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs", None),
+    ("logprobs not bool", "POST", CHAT, chat(logprobs="yes"), 400, "logprobs", None),
+    ("stream not bool", "POST", CHAT, chat(stream="yes"), 400, "stream", None),
+    ("seed string", "POST", CHAT, chat(seed="abc"), 400, "seed", None),
+    ("unknown model", "POST", CHAT, chat(model="gpt-nope"), 404, "model", "model_not_found"),
+    ("over-long prompt", "POST", CHAT, chat(messages=[{"role": "user", "content": "word " * 3000}]), 400, "messages",
+     "context_length_exceeded"),
+    ("completions suffix", "POST", COMP, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", None),
+    ("completions bad prompt", "POST", COMP, {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt", None),
+    ("completions empty prompt list", "POST", COMP, {"model": MODEL, "prompt": []}, 400, "prompt", None),
+    ("completions token out of vocab", "POST", COMP, {"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "prompt", None),
+    ("completions logprobs too many", "POST", COMP, {"model": MODEL, "prompt": "x", "logprobs": 9}, 400, "logprobs",
+     None),
+    ("unknown model completions", "POST", COMP, {"model": "x", "prompt": "x"}, 404, "model", "model_not_found"),
+    ("unknown model card", "GET", "/v1/models/nope", None, 404, "model", "model_not_found"),
+    ("unknown route", "GET", "/v1/nothing", None, 404, None, None),
+    ("wrong method", "GET", CHAT, None, 405, None, None),
+]
+
+
+def check_shape(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(server, case):
+    name, method, path, body, status, param, code = case
+    content = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
+    r = httpx.request(method, server.base_url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=30)
+    assert r.status_code == status, r.text
+    err = check_shape(r)
+    if status < 500:
+        assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    # ... and the server still answers a good request.
+    ok = httpx.post(server.base_url + CHAT, json=chat(max_tokens=2), timeout=60)
+    assert ok.status_code == 200
+
+
+def test_context_message_names_the_limit(server):
+    r = httpx.post(server.base_url + CHAT, json=chat(max_tokens=10**6), timeout=30)
+    assert "maximum context length is 2048 tokens" in r.json()["error"]["message"]
+
+
+def test_oversized_body_413(server):
+    big = chat(messages=[{"role": "user", "content": "x" * (5 * 1024 * 1024)}])
+    r = httpx.post(server.base_url + CHAT, json=big, timeout=30)
+    assert r.status_code == 413 and check_shape(r)["code"] == "request_too_large"
+
+    def chunks():
+        yield b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "'
+        for _ in range(6):
+            yield b"y" * (1024 * 1024)
+        yield b'"}]}'
+
+    r = httpx.post(server.base_url + CHAT, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+    assert httpx.post(server.base_url + CHAT, json=chat(max_tokens=2), timeout=60).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def keyed(smollm):
+    s = start_server(smollm, api_keys=["sk-one", "sk-two"], max_running=2)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "sk-one", "Basic sk-one"])
+def test_auth_401(keyed, header):
+    headers = {"authorization": header} if header else {}
+    r = httpx.post(keyed.base_url + CHAT, json=chat(max_tokens=2), headers=headers, timeout=30)
+    assert r.status_code == 401 and check_shape(r)["code"] == "invalid_api_key"
+    assert httpx.get(keyed.base_url + "/v1/models", headers=headers).status_code == 401
+
+
+def test_auth_ok_with_sdk(keyed):
+    from openai import AuthenticationError, OpenAI
+
+    for key in ("sk-one", "sk-two"):
+        c = OpenAI(base_url=keyed.base_url + "/v1", api_key=key, max_retries=0)
+        assert c.chat.completions.create(model=MODEL, messages=OK_MSG, max_tokens=2).choices
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=keyed.base_url + "/v1", api_key="bad", max_retries=0).models.list()
+    assert httpx.get(keyed.base_url + "/health").status_code == 200  # health needs no key
+
+
+def test_sdk_maps_errors(client):
+    from openai import BadRequestError, NotFoundError
+
+    with pytest.raises(NotFoundError) as e:
+        client.chat.completions.create(model="gpt-nope", messages=OK_MSG)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=OK_MSG, temperature=9)
+    assert e.value.param == "temperature"

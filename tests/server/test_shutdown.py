@@ -1,0 +1,77 @@
+"""`wafer serve` as a process: its startup line, and a graceful SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.server.conftest import MODEL, free_port
+
+
+def test_sigterm_drains_then_exits_zero():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wafer.cli", "serve", "--port", str(port), "--max-running", "4",
+         "--shutdown-grace", "3", "--served-model-name", MODEL, "--served-model-name", "smol"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        startup = "".join(lines)
+        assert f"http://127.0.0.1:{port}/v1" in startup and MODEL in startup and "smol" in startup
+        assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == [MODEL, "smol"]
+
+        results: dict[str, list[str]] = {"short": [], "long": []}
+
+        def stream(name: str, max_tokens: int) -> None:
+            body = {"model": "smol", "messages": [{"role": "user", "content": "Tell a story."}],
+                    "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        results[name].append(line[6:])
+
+        short = threading.Thread(target=stream, args=("short", 40))
+        long = threading.Thread(target=stream, args=("long", 3000))
+        short.start()
+        long.start()
+        while len(results["long"]) < 3:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(base + "/v1/chat/completions", json={"model": "smol", "messages": [
+            {"role": "user", "content": "hi"}]}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+        short.join(60)
+        long.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+
+    for name, expected_reason in (("short", "length"), ("long", "length")):
+        events = results[name]
+        assert events[-1] == "[DONE]", name
+        chunks = [json.loads(e) for e in events[:-1]]
+        finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == expected_reason
+    # The short request finished in the grace period with all its tokens; the long one was cut.
+    short_text = sum(1 for e in results["short"][:-1] if json.loads(e)["choices"][0]["delta"].get("content"))
+    assert short_text >= 30
+    assert len(results["long"]) < 3000

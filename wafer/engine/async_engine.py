@@ -144,7 +144,7 @@ class AsyncEngine:
                 with self._pending_lock:
                     self._pending -= 1
                 try:
-                    seq = self.engine.add(req.prompt_ids, req.params)
+                    seq = self.engine.add(req.prompt_ids, req.params, req.arrived)
                 except ValueError as e:
                     self._deliver(req, e)
                     continue

@@ -33,6 +33,7 @@ class EngineStats:
     batched_steps: int = 0  # steps that advanced more than one sequence
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    last_batch_size: int = 0  # sequences advanced by the most recent step
 
 
 class LLMEngine:
@@ -51,12 +52,14 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
 
     # --- requests -------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len}")
         seq = Sequence(list(prompt_ids), params)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.seqs[seq.seq_id] = seq
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
@@ -88,6 +91,7 @@ class LLMEngine:
             return []
         logits = self.runner.run(scheduled)
         self.stats.steps += 1
+        self.stats.last_batch_size = len(scheduled)
         if len(scheduled) > 1:
             self.stats.batched_steps += 1
         sampling = [item.seq for item in scheduled if item.samples]
@@ -143,6 +147,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=n_out,
             num_cached_tokens=seq.num_cached_prompt,
+            queue_time=(seq.first_scheduled_time - seq.arrival_time) if seq.first_scheduled_time else None,
         )
 
     def _check_stop_strings(self, seq: Sequence, before: int) -> None:

@@ -6,6 +6,7 @@ prefilled in chunks from a per-step token budget, so a long prompt never stalls 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.slot = self.kv.allocate()
             seq.status = Status.RUNNING
+            seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             n = min(len(seq.tokens) - seq.num_cached, budget)
             out.append(ScheduledSeq(seq, seq.num_cached, n))

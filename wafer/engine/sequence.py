@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -70,6 +71,8 @@ class Sequence:
     text: str = ""  # output text so far, stop strings cut off
     emitted: int = 0  # characters of `text` already handed out
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -102,3 +105,4 @@ class SequenceOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    queue_time: float | None = None  # seconds from arrival to first being scheduled

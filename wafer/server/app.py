@@ -12,7 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from importlib.resources import files
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from wafer.server.errors import APIError, server_error
+from wafer.server.metrics import ServerMetrics, StatusCounter
 from wafer.server.openai_api import OpenAIHandlers, ServedModel
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
@@ -76,7 +81,11 @@ def _replay(chunks: list[bytes], final: Message | None, receive: Receive | None 
 
 def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="wafer", docs_url=None, redoc_url=None)
+    if served.metrics is None:
+        served.metrics = ServerMetrics(served.names[0], served.engine)
+    metrics = served.metrics
     handlers = OpenAIHandlers(served)
+    static = files("wafer.server") / "static"
     keys = list(api_keys or [])
     app.state.served = served
 
@@ -132,6 +141,22 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
         return JSONResponse({"status": "ok" if ok else "draining", "running": served.engine.num_running,
                              "waiting": served.engine.num_waiting}, status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response((static / "dashboard.html").read_text(), media_type="text/html")
+
+    @app.get("/dashboard.js")
+    async def dashboard_js() -> Response:
+        return Response((static / "dashboard.js").read_text(), media_type="application/javascript")
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> dict[str, Any]:
+        return metrics.snapshot()
+
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(n) for n in served.names]}
@@ -155,4 +180,5 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
 
     app.include_router(v1)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(StatusCounter, metrics=metrics)
     return app

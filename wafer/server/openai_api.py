@@ -20,6 +20,7 @@ from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
 from wafer.models.chat_template import ChatTemplate, TemplateError
 from wafer.models.tokenizer import TextTokenizer
 from wafer.server.errors import APIError, bad_request, server_error
+from wafer.server.metrics import ServerMetrics
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
 log = logging.getLogger("wafer.server")
@@ -37,6 +38,7 @@ class ServedModel:
     fingerprint: str
     created: int = field(default_factory=lambda: int(time.time()))
     ping_interval: float = 10.0
+    metrics: ServerMetrics | None = None
 
 
 @dataclass
@@ -120,11 +122,13 @@ class OpenAIHandlers:
                            {"Retry-After": "5"}) from None
         return reqs
 
-    async def _merge(self, streams: list[EngineRequest]) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, output or exception) from all requests as they come. Leaving early
-        aborts every request that has not finished."""
+    async def _merge(self, streams: list[EngineRequest], n_prompt: int) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, output or exception) from all requests as they come, timed for the
+        metrics. Leaving early aborts every request that has not finished."""
         q: asyncio.Queue = asyncio.Queue()
         engine = self.m.engine
+        timer = self.m.metrics.request() if self.m.metrics else None
+        last: dict[int, SequenceOutput] = {}
 
         async def pump(i: int, req: EngineRequest) -> None:
             try:
@@ -140,7 +144,14 @@ class OpenAIHandlers:
                 i, item = await q.get()
                 if isinstance(item, Exception) or item.finished:
                     done += 1
+                if timer is not None and not isinstance(item, Exception):
+                    timer.tokens(len(item.new_token_ids))
+                    last[i] = item
                 yield i, item
+            if timer is not None and len(last) == len(streams):
+                first = last[0]
+                timer.finish(_finish(first.finish_reason), n_prompt,
+                             sum(o.num_output_tokens for o in last.values()), first.queue_time)
         finally:
             for t in tasks:
                 t.cancel()
@@ -148,12 +159,13 @@ class OpenAIHandlers:
             for r in streams:
                 engine.abort(r)  # a no-op for finished ones; covers pumps cancelled before they started
 
-    async def _collect(self, streams: list[EngineRequest], request: Request, rid: str) -> list[_Choice] | None:
+    async def _collect(self, streams: list[EngineRequest], request: Request, rid: str,
+                       n_prompt: int) -> list[_Choice] | None:
         """Run all choices to the end; None if the client went away (its sequences are aborted)."""
         choices = [_Choice(i) for i in range(len(streams))]
 
         async def consume() -> None:
-            async for i, out in self._merge(streams):
+            async for i, out in self._merge(streams, n_prompt):
                 self._fold(choices[i], out, rid)
 
         async def watch() -> None:
@@ -233,6 +245,8 @@ class OpenAIHandlers:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     def _error_event(self, e: Exception, rid: str) -> str:
+        if self.m.metrics is not None:  # the HTTP status was 200 already; count what it would have been
+            self.m.metrics.error(e.status if isinstance(e, APIError) else 500)
         if isinstance(e, APIError):
             return self._sse(e.body())
         if isinstance(e, EngineFailure):
@@ -245,9 +259,9 @@ class OpenAIHandlers:
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(self, streams, rid: str):  # type: ignore[no-untyped-def]
+    async def _events(self, streams, rid: str, n_prompt: int):  # type: ignore[no-untyped-def]
         """Merged outputs with None whenever ping_interval passes without one."""
-        merged = self._merge(streams)
+        merged = self._merge(streams, n_prompt)
         try:
             nxt = asyncio.ensure_future(merged.__anext__())
             while True:
@@ -299,7 +313,7 @@ class OpenAIHandlers:
         streams = self._submit(jobs, rid)
         if req.stream:
             return self._streaming(self._chat_stream(streams, head, len(ids), req.include_usage, lp is not None))
-        choices = await self._collect(streams, request, rid)
+        choices = await self._collect(streams, request, rid, len(ids))
         if choices is None:
             return JSONResponse({}, status_code=499)
         return JSONResponse({
@@ -331,7 +345,7 @@ class OpenAIHandlers:
         for c in choices:
             yield chunk(c.index, {"role": "assistant", "content": ""})
         try:
-            async for item in self._events(streams, head["id"]):
+            async for item in self._events(streams, head["id"], n_prompt):
                 if item is None:
                     yield ": ping\n\n"
                     continue
@@ -346,7 +360,7 @@ class OpenAIHandlers:
                 if out.finished:
                     yield chunk(i, {}, c.finish_reason)
         except APIError as e:
-            yield self._sse(e.body())
+            yield self._error_event(e, head["id"])
             return
         if include_usage:
             yield self._sse({**base, "choices": [], "usage": self._usage(n_prompt, choices)})
@@ -377,7 +391,7 @@ class OpenAIHandlers:
         if req.stream:
             return self._streaming(self._completion_stream(streams, head, n_prompt, req.include_usage,
                                                            req.logprobs is not None, echoes))
-        choices = await self._collect(streams, request, rid)
+        choices = await self._collect(streams, request, rid, n_prompt)
         if choices is None:
             return JSONResponse({}, status_code=499)
         return JSONResponse({
@@ -427,7 +441,7 @@ class OpenAIHandlers:
             if echoes[c.index]:
                 yield chunk(c.index, echoes[c.index])
         try:
-            async for item in self._events(streams, head["id"]):
+            async for item in self._events(streams, head["id"], n_prompt):
                 if item is None:
                     yield ": ping\n\n"
                     continue
@@ -443,7 +457,7 @@ class OpenAIHandlers:
                 if out.finished:
                     yield chunk(i, "", c.finish_reason)
         except APIError as e:
-            yield self._sse(e.body())
+            yield self._error_event(e, head["id"])
             return
         if include_usage:
             yield self._sse({**head, "choices": [], "usage": self._usage(n_prompt, choices)})

@@ -1,0 +1,161 @@
+"""Prometheus metrics (`GET /metrics`), named and shaped after vLLM's with a `wafer:` prefix,
+and the rolling window the dashboard draws from."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0, 160.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class RequestTimer:
+    """Times one request from arrival to its last token, for the histograms."""
+
+    metrics: "ServerMetrics"
+    start: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        """Called when a chunk with n new tokens is produced."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        m = self.metrics
+        if self.first is None:
+            self.first = now
+            m.ttft.labels(m.model).observe(now - self.start)
+        elif self.last is not None:
+            m.itl.labels(m.model).observe(now - self.last)
+        self.last = now
+
+    def finish(self, reason: str | None, prompt_tokens: int, generation_tokens: int, queue_time: float | None) -> None:
+        m = self.metrics
+        now = time.monotonic()
+        e2e = now - self.start
+        m.e2e.labels(m.model).observe(e2e)
+        if queue_time is not None:
+            m.queue.labels(m.model).observe(queue_time)
+        m.prompt_len.labels(m.model).observe(prompt_tokens)
+        m.gen_len.labels(m.model).observe(generation_tokens)
+        m.prompt_tokens.labels(m.model).inc(prompt_tokens)
+        m.generation_tokens.labels(m.model).inc(generation_tokens)
+        m.success.labels(m.model, reason or "unknown").inc()
+        ttft = (self.first - self.start) if self.first is not None else None
+        m.recent.append((time.time(), ttft, e2e, generation_tokens))
+
+
+class ServerMetrics:
+    def __init__(self, model: str, engine: Any) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["model_name"]
+        self.ttft = Histogram("wafer:time_to_first_token_seconds", "Time to first token.", lbl, buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram("wafer:inter_token_latency_seconds", "Time between successive tokens of a request.", lbl,
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("wafer:e2e_request_latency_seconds", "Request latency, arrival to last token.", lbl,
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("wafer:request_queue_time_seconds", "Time a request waited before it first ran.", lbl,
+                               buckets=_LATENCY, registry=r)
+        self.prompt_len = Histogram("wafer:request_prompt_tokens", "Prompt tokens per request.", lbl, buckets=_TOKENS,
+                                    registry=r)
+        self.gen_len = Histogram("wafer:request_generation_tokens", "Generated tokens per request.", lbl,
+                                 buckets=_TOKENS, registry=r)
+        self.prompt_tokens = Counter("wafer:prompt_tokens", "Prompt tokens processed.", lbl, registry=r)
+        self.generation_tokens = Counter("wafer:generation_tokens", "Tokens generated.", lbl, registry=r)
+        self.success = Counter("wafer:request_success", "Finished requests by finish reason.",
+                               lbl + ["finished_reason"], registry=r)
+        self.errors = Counter("wafer:request_errors", "Requests answered with an error, by HTTP status.",
+                              lbl + ["status"], registry=r)
+        running = Gauge("wafer:num_requests_running", "Sequences in the running batch.", lbl, registry=r)
+        waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
+        kv = Gauge("wafer:kv_cache_usage_perc", "Fraction of KV-cache token capacity in use (0 to 1).", lbl,
+                   registry=r)
+        batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
+        running.labels(model).set_function(lambda: engine.num_running)
+        waiting.labels(model).set_function(lambda: engine.num_waiting)
+        kv.labels(model).set_function(lambda: engine.engine.kv.usage)
+        batch.labels(model).set_function(lambda: engine.engine.stats.last_batch_size)
+        self.engine = engine
+        self.recent: deque[tuple[float, float | None, float, int]] = deque(maxlen=5000)
+        self.started = time.time()
+
+    def request(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def error(self, status: int) -> None:
+        self.errors.labels(self.model, str(status)).inc()
+
+    def snapshot(self, window: float = 60.0) -> dict[str, Any]:
+        """What the dashboard shows: totals, and percentiles over the last `window` seconds."""
+        now = time.time()
+        recent = [x for x in self.recent if x[0] >= now - window]
+        ttfts = [x[1] for x in recent if x[1] is not None]
+        e2es = [x[2] for x in recent]
+
+        def total(counter: Counter) -> float:
+            return sum(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total"))
+
+        errors: dict[str, float] = {}
+        for metric in self.errors.collect():
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    errors[s.labels["status"]] = s.value
+        eng = self.engine
+        return {
+            "time": now,
+            "model": self.model,
+            "generation_tokens_total": total(self.generation_tokens),
+            "prompt_tokens_total": total(self.prompt_tokens),
+            "requests_total": total(self.success),
+            "errors": errors,
+            "running": eng.num_running,
+            "waiting": eng.num_waiting,
+            "kv_cache_usage": eng.engine.kv.usage,
+            "ttft_p50": _percentile(ttfts, 0.5),
+            "ttft_p95": _percentile(ttfts, 0.95),
+            "e2e_p50": _percentile(e2es, 0.5),
+            "e2e_p95": _percentile(e2es, 0.95),
+            "window_requests": len(recent),
+        }
+
+
+class StatusCounter:
+    """Counts every HTTP error status the app sends (including 404s and 413s raised before any
+    handler runs)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400 and message["status"] != 499:
+                self.metrics.error(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

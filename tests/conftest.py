@@ -39,3 +39,28 @@ def tiny_dir(tmp_path_factory) -> Path:
     from tests.tiny import make_hf_model
 
     return make_hf_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+# --- a shared wafer server (tests/serving.py builds it) -------------------------------------------
+from tests.serving import start_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def server(smollm) -> Iterator[RunningServer]:
+    s = start_server(smollm)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def aclient(server):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

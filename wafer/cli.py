@@ -160,6 +160,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from wafer.benchmark.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -206,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
+
+    from wafer.benchmark.cli import add_arguments
+
+    b = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

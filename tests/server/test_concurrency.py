@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.server.conftest import MODEL
+from tests.serving import MODEL
 
 TOPICS = ["cats", "the moon", "bread", "rivers", "chess", "winter", "robots", "tea", "music", "trains", "bees",
           "volcanoes", "libraries", "the ocean", "bicycles", "clocks"]

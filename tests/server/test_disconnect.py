@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import MODEL
+from tests.serving import MODEL
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 1500,
         "ignore_eos": True, "temperature": 0}

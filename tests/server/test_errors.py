@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, start_server
+from tests.serving import MODEL, start_server
 
 OK_MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"

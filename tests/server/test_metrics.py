@@ -6,7 +6,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL, start_server
+from tests.serving import MODEL, start_server
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.serving import MODEL
 
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, start_server
+from tests.serving import MODEL, start_server
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 40,
         "ignore_eos": True}

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import MODEL, free_port
+from tests.serving import MODEL, free_port
 
 
 def test_sigterm_drains_then_exits_zero():

@@ -171,6 +171,17 @@ def _default_or_none() -> Path | None:
         return None
 
 
+def load_tokenizer(model: str | None = None) -> TextTokenizer:
+    """Only the tokenizer of a model (for clients such as `wafer bench`): no weights are read."""
+    path = resolve_path(model)
+    if path.is_dir():
+        return TextTokenizer.from_dir(path)
+    f = GGUFFile(path)
+    scores_field = f.reader.fields.get("tokenizer.ggml.scores")
+    scores = [float(s) for s in scores_field.contents()] if scores_field is not None else None
+    return TextTokenizer.from_gguf(f.tokenizer_data(), scores)
+
+
 def load_model(
     model: str | None = None,
     dtype: torch.dtype = torch.float32,

@@ -63,24 +63,3 @@ def start_server(loaded, api_keys=None, max_running=16, max_waiting=64, names=No
         except httpx.HTTPError:
             time.sleep(0.05)
     return RunningServer(base, served, server, thread)
-
-
-@pytest.fixture(scope="session")
-def server(smollm) -> Iterator[RunningServer]:
-    s = start_server(smollm)
-    yield s
-    s.stop()
-
-
-@pytest.fixture()
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture()
-def aclient(server):
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,1 @@
+"""`wafer bench`: a load generator and report for any OpenAI-compatible endpoint."""

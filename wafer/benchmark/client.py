@@ -1,0 +1,92 @@
+"""Send one streamed request and time every content chunk."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from wafer.benchmark.workload import Prompt
+
+
+@dataclass
+class RequestRecord:
+    start: float  # perf_counter at send
+    input_len: int | None
+    output_len_requested: int
+    ok: bool = False
+    status: int = 0
+    error_type: str | None = None
+    error: str | None = None
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of each non-empty content chunk
+    text: str = ""
+    end: float | None = None
+    usage_prompt: int | None = None
+    usage_completion: int | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return (self.end - self.start) if self.end is not None else None
+
+
+async def send(client: httpx.AsyncClient, base_url: str, endpoint: str, model: str, prompt: Prompt,
+               api_key: str | None, ignore_eos: bool, timeout: float) -> RequestRecord:
+    body: dict = {"model": model, "max_tokens": prompt.output_len, "stream": True,
+                  "stream_options": {"include_usage": True}, "temperature": 0}
+    if endpoint == "chat":
+        url = base_url.rstrip("/") + "/chat/completions"
+        body["messages"] = [{"role": "user", "content": prompt.text}]
+    else:
+        url = base_url.rstrip("/") + "/completions"
+        body["prompt"] = prompt.text
+    if ignore_eos:
+        body["ignore_eos"] = True
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    rec = RequestRecord(time.perf_counter(), prompt.input_len, prompt.output_len)
+    try:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:
+            rec.status = r.status_code
+            if r.status_code != 200:
+                raw = await r.aread()
+                try:
+                    err = json.loads(raw)["error"]
+                    rec.error_type, rec.error = err.get("type"), err.get("message")
+                except (ValueError, KeyError, TypeError):
+                    rec.error_type, rec.error = "http_error", raw[:200].decode(errors="replace")
+                rec.end = time.perf_counter()
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators and ': ping' comments
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec.error_type = obj["error"].get("type") or "stream_error"
+                    rec.error = obj["error"].get("message")
+                    rec.end = time.perf_counter()
+                    return rec
+                if obj.get("usage"):
+                    rec.usage_prompt = obj["usage"].get("prompt_tokens")
+                    rec.usage_completion = obj["usage"].get("completion_tokens")
+                for choice in obj.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
+                    if piece:
+                        rec.chunk_times.append(time.perf_counter())
+                        rec.text += piece
+        rec.end = rec.chunk_times[-1] if rec.chunk_times else time.perf_counter()
+        rec.ok = bool(rec.chunk_times)
+        if not rec.ok:
+            rec.error_type, rec.error = "empty_response", "the stream carried no content"
+    except httpx.HTTPError as e:
+        rec.status = rec.status or 0
+        rec.error_type, rec.error = type(e).__name__, str(e)
+        rec.end = time.perf_counter()
+    return rec

@@ -1,0 +1,80 @@
+"""Drive the load: a closed loop of N concurrent clients and/or open-loop arrivals at a rate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+from rich.progress import Progress
+
+from wafer.benchmark.client import RequestRecord, send
+from wafer.benchmark.workload import Prompt
+
+
+@dataclass
+class LoadConfig:
+    base_url: str
+    model: str
+    endpoint: str = "chat"
+    api_key: str | None = None
+    concurrency: int | None = None  # None: unbounded
+    request_rate: float = float("inf")  # requests/s; inf sends as fast as concurrency allows
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson
+    duration: float | None = None  # soak: keep sending until then (prompts cycle)
+    ignore_eos: bool = False
+    timeout: float = 600.0
+    seed: int = 0
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Gaps between request starts: gamma(shape=b, scale=1/(rate*b)); zero for an infinite rate."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(seed)
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
+
+
+async def run_load(cfg: LoadConfig, prompts: list[Prompt], progress: Progress | None = None,
+                   label: str = "") -> tuple[list[RequestRecord], float]:
+    """Send the prompts; returns every record and the wall-clock duration."""
+    sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+    limits = httpx.Limits(max_connections=max(cfg.concurrency or 256, 1) + 4, max_keepalive_connections=64)
+    records: list[RequestRecord] = []
+    task = progress.add_task(label, total=None if cfg.duration else len(prompts)) if progress else None
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout) as client:
+
+        async def one(p: Prompt) -> None:
+            if sem is not None:
+                async with sem:
+                    rec = await send(client, cfg.base_url, cfg.endpoint, cfg.model, p, cfg.api_key, cfg.ignore_eos,
+                                     cfg.timeout)
+            else:
+                rec = await send(client, cfg.base_url, cfg.endpoint, cfg.model, p, cfg.api_key, cfg.ignore_eos,
+                                 cfg.timeout)
+            records.append(rec)
+            if progress is not None and task is not None:
+                progress.advance(task)
+
+        start = time.perf_counter()
+        tasks = []
+        gaps = arrival_gaps(len(prompts), cfg.request_rate, cfg.burstiness, cfg.seed)
+        i = 0
+        while True:
+            if cfg.duration is None and i >= len(prompts):
+                break
+            if cfg.duration is not None and time.perf_counter() - start >= cfg.duration:
+                break
+            if sem is not None and cfg.request_rate == float("inf"):
+                # Closed loop: wait for a free client before creating the next request.
+                await sem.acquire()
+                sem.release()
+            tasks.append(asyncio.ensure_future(one(prompts[i % len(prompts)])))
+            gap = gaps[i % len(gaps)]
+            i += 1
+            await asyncio.sleep(gap if gap > 0 else 0)
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return records, duration

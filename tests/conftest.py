@@ -42,7 +42,9 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 # --- a shared wafer server (tests/serving.py builds it) -------------------------------------------
-from tests.serving import start_server  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+from tests.serving import RunningServer, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,7 @@ class RequestTimer:
             return
         now = time.monotonic()
         m = self.metrics
+        m.generation_tokens.labels(m.model).inc(n)  # as they come, so rates are live
         if self.first is None:
             self.first = now
             m.ttft.labels(m.model).observe(now - self.start)
@@ -58,7 +59,6 @@ class RequestTimer:
         m.prompt_len.labels(m.model).observe(prompt_tokens)
         m.gen_len.labels(m.model).observe(generation_tokens)
         m.prompt_tokens.labels(m.model).inc(prompt_tokens)
-        m.generation_tokens.labels(m.model).inc(generation_tokens)
         m.success.labels(m.model, reason or "unknown").inc()
         ttft = (self.first - self.start) if self.first is not None else None
         m.recent.append((time.time(), ttft, e2e, generation_tokens))

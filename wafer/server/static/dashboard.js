@@ -22,7 +22,8 @@ function draw(name) {
   ctx.scale(dpr, dpr);
   ctx.clearRect(0, 0, w, h);
   const all = series[name].flat().filter((v) => !Number.isNaN(v));
-  const max = Math.max(1e-9, ...all) * 1.1;
+  const floor = name === "err" || name === "rw" ? 1 : 1e-9;  // counts: at least a scale of one
+  const max = Math.max(floor, ...all) * 1.1;
   ctx.strokeStyle = "#2a2f3a"; ctx.fillStyle = "#9aa0a6"; ctx.font = "11px sans-serif";
   for (let i = 0; i <= 4; i++) {
     const y = h - 14 - (h - 24) * i / 4;

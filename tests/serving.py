@@ -5,16 +5,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
-import pytest
 import uvicorn
 
 from wafer.server.app import create_app
 from wafer.server.main import build_served
-from wafer.server.openai_api import ServedModel
+from wafer.server.generation import ServedModel
 
 MODEL = "SmolLM2-135M-Instruct"
 

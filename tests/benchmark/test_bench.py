@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tests.serving import MODEL, free_port
+from tests.serving import free_port
 from wafer.cli import main
 
 FIRST_DELAY, ROLE_DELAY, GAP, CHUNKS = 0.30, 0.10, 0.05, 5

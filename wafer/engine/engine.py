@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wafer.engine.constraints import Constraints, mask_logits
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler
@@ -50,6 +51,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.seqs: dict[int, Sequence] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.constraints = Constraints(self.tokenizer)
 
     # --- requests -------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
@@ -58,6 +60,8 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len}")
         seq = Sequence(list(prompt_ids), params)
+        if params.grammar is not None:
+            seq.matcher = self.constraints.matcher(params.grammar)  # GrammarError is a ValueError
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.seqs[seq.seq_id] = seq
@@ -95,6 +99,9 @@ class LLMEngine:
         if len(scheduled) > 1:
             self.stats.batched_steps += 1
         sampling = [item.seq for item in scheduled if item.samples]
+        for i, seq in enumerate(sampling):
+            if seq.matcher is not None:
+                mask_logits(logits[i], seq.matcher)
         tokens, lps = self.sampler(logits, sampling) if sampling else ([], [])
         for item in scheduled:
             item.seq.num_cached = item.start + item.count
@@ -115,6 +122,8 @@ class LLMEngine:
         n_out = len(seq.tokens) - seq.num_prompt
         detok = self._detok[seq.seq_id]
         is_eos = token in self.tokenizer.eos_ids and not p.ignore_eos
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
         if is_eos or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         else:
@@ -122,6 +131,8 @@ class LLMEngine:
             seq.text += detok.push(token)
             if p.stop:
                 self._check_stop_strings(seq, before)
+        if seq.finish_reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+            seq.finish_reason = "stop"  # the grammar is complete: only end-of-sequence could follow
         if seq.finish_reason is None and (n_out >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k alternatives
     include_stop_str_in_output: bool = False
+    grammar: str | None = None  # an llguidance grammar the output must follow
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +75,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    matcher: Any = None  # llguidance matcher when params.grammar is set
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

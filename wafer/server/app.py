@@ -18,7 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from wafer.server.errors import APIError, server_error
 from wafer.server.metrics import ServerMetrics, StatusCounter
-from wafer.server.openai_api import OpenAIHandlers, ServedModel
+from wafer.server.chat import ChatHandler
+from wafer.server.completions import CompletionHandler
+from wafer.server.generation import ServedModel
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("wafer.server")
@@ -84,7 +86,8 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
     if served.metrics is None:
         served.metrics = ServerMetrics(served.names[0], served.engine)
     metrics = served.metrics
-    handlers = OpenAIHandlers(served)
+    chat_handler = ChatHandler(served)
+    completion_handler = CompletionHandler(served)
     static = files("wafer.server") / "static"
     keys = list(api_keys or [])
     app.state.served = served
@@ -170,13 +173,13 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
     async def chat(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_json(request))
         check_model(req.model)
-        return await handlers.chat(req, request)
+        return await chat_handler.chat(req, request)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_json(request))
         check_model(req.model)
-        return await handlers.completions(req, request)
+        return await completion_handler.completions(req, request)
 
     app.include_router(v1)
     app.add_middleware(BodyLimit, limit=max_body_bytes)

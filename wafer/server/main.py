@@ -18,7 +18,7 @@ from wafer.engine.async_engine import AsyncEngine
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.models.loader import LoadedModel
 from wafer.server.app import create_app
-from wafer.server.openai_api import ServedModel
+from wafer.server.generation import ServedModel
 
 log = logging.getLogger("wafer.server")
 

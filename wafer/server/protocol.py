@@ -117,8 +117,55 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormatText(_Body):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Body):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
+    response_format: Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+                               Field(discriminator="type")] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"] | None = None
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     logprobs: Bool = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
@@ -143,15 +190,16 @@ class CompletionRequest(_Sampling):
 def _param_path(loc: tuple[Any, ...]) -> str | None:
     """pydantic's location as OpenAI spells a parameter: messages[0].role"""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and part[:1].isupper() or part in ("function-after", "str", "list[str]"):
-            continue  # union branch names and validator tags are not parameters
-        elif "[" in str(part) or "function-" in str(part):
             continue
-        else:
-            out += ("." if out else "") + str(part)
+        text = str(part)
+        union_branch = text[:1].isupper() or "[" in text or "function-" in text or text in ("str", "list[str]")
+        discriminator = i == 1 and loc[0] == "response_format" and text in ("text", "json_object", "json_schema")
+        if union_branch or discriminator:
+            continue
+        out += ("." if out else "") + text
     return out or None
 
 

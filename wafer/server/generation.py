@@ -1,5 +1,6 @@
-"""/v1/chat/completions and /v1/completions: from a validated request to engine sequences and
-back to the OpenAI wire format, streamed (SSE) or whole."""
+"""The shared half of the OpenAI endpoints: from a validated request to engine sequences, and from
+their outputs to usage, logprobs and server-sent events."""
+
 
 from __future__ import annotations
 
@@ -7,24 +8,22 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from wafer.engine.async_engine import AsyncEngine, EngineFailure, EngineOverloaded, EngineStopped, EngineRequest
 from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
-from wafer.models.chat_template import ChatTemplate, TemplateError
+from wafer.models.chat_template import ChatTemplate
 from wafer.models.tokenizer import TextTokenizer
 from wafer.server.errors import APIError, bad_request, server_error
 from wafer.server.metrics import ServerMetrics
-from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from wafer.server.protocol import _Sampling
 
 log = logging.getLogger("wafer.server")
-
 
 @dataclass
 class ServedModel:
@@ -56,7 +55,10 @@ def _finish(reason: str | None) -> str | None:
     return "length" if reason == "abort" else reason
 
 
-class OpenAIHandlers:
+class GenerationHandler:
+    """What chat and legacy completions share: parameters, limits, submission, merging the
+    choices' streams, collecting them, usage, SSE."""
+
     def __init__(self, served: ServedModel) -> None:
         self.m = served
 
@@ -218,28 +220,6 @@ class OpenAIHandlers:
         b = self.m.tokenizer.token_bytes(tid)
         return b.decode("utf-8", errors="replace"), list(b)
 
-    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
-        content = []
-        for lp in lps:
-            tok, b = self._token_text(lp.token_id)
-            top = []
-            for tid, value in lp.top:
-                t, tb = self._token_text(tid)
-                top.append({"token": t, "logprob": value, "bytes": tb})
-            content.append({"token": tok, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
-        return {"content": content, "refusal": None}
-
-    def _legacy_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens, values, tops, offsets = [], [], [], []
-        for lp in lps:
-            tok, _ = self._token_text(lp.token_id)
-            tokens.append(tok)
-            values.append(lp.logprob)
-            tops.append({self._token_text(t)[0]: v for t, v in lp.top})
-            offsets.append(offset)
-            offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
     @staticmethod
     def _sse(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -280,185 +260,3 @@ class OpenAIHandlers:
                 nxt.cancel()
                 await asyncio.gather(nxt, return_exceptions=True)
             await merged.aclose()
-
-    # --- chat -----------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        messages = []
-        for i, msg in enumerate(req.messages):
-            try:
-                text = msg.text()
-            except ValueError as e:
-                raise bad_request(str(e), f"messages[{i}].content") from None
-            m: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": text}
-            if msg.name:
-                m["name"] = msg.name
-            if msg.tool_calls:
-                m["tool_calls"] = [tc.model_dump() for tc in msg.tool_calls]
-            if msg.tool_call_id:
-                m["tool_call_id"] = msg.tool_call_id
-            messages.append(m)
-        try:
-            prompt = self.m.chat_template.render(messages, add_generation_prompt=True)
-        except TemplateError as e:
-            raise bad_request(f"The conversation cannot be rendered by this model's chat template: {e}", "messages")
-        ids = self.m.tokenizer.encode(prompt, add_special_tokens=False)
-        limit = self._limit(len(ids), req.output_limit, "messages")
-        lp = (req.top_logprobs or 0) if req.logprobs else None
-        jobs = [(ids, self._params(req, limit, i, lp)) for i in range(req.n)]
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        head = {"id": rid, "created": created, "model": req.model, "system_fingerprint": self.m.fingerprint}
-        streams = self._submit(jobs, rid)
-        if req.stream:
-            return self._streaming(self._chat_stream(streams, head, len(ids), req.include_usage, lp is not None))
-        choices = await self._collect(streams, request, rid, len(ids))
-        if choices is None:
-            return JSONResponse({}, status_code=499)
-        return JSONResponse({
-            **{"id": rid, "object": "chat.completion"}, **head,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": self._chat_logprobs(c.logprobs) if lp is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": self._usage(len(ids), choices),
-            "service_tier": "default",
-        }, headers={"x-request-id": rid})
-
-    async def _chat_stream(self, streams, head: dict[str, Any], n_prompt: int, include_usage: bool,
-                           want_lp: bool) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
-        base = {"id": head["id"], "object": "chat.completion.chunk", **head}
-
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
-            obj = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-            if include_usage:
-                obj["usage"] = None
-            return self._sse(obj)
-
-        choices = [_Choice(i) for i in range(len(streams))]
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
-        try:
-            async for item in self._events(streams, head["id"], n_prompt):
-                if item is None:
-                    yield ": ping\n\n"
-                    continue
-                i, out = item
-                if isinstance(out, Exception):
-                    yield self._error_event(out, head["id"])
-                    return
-                c = choices[i]
-                self._fold(c, out, head["id"])
-                if out.text or (want_lp and out.logprobs):
-                    yield chunk(i, {"content": out.text}, None, self._chat_logprobs(out.logprobs) if want_lp else None)
-                if out.finished:
-                    yield chunk(i, {}, c.finish_reason)
-        except APIError as e:
-            yield self._error_event(e, head["id"])
-            return
-        if include_usage:
-            yield self._sse({**base, "choices": [], "usage": self._usage(n_prompt, choices)})
-        yield "data: [DONE]\n\n"
-
-    # --- legacy completions ---------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-        if req.suffix:
-            raise bad_request("suffix is not supported by this server", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of other than n is not supported", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", "echo")
-        prompts = self._prompts(req.prompt)
-        tok = self.m.tokenizer
-        jobs = []
-        echoes = []
-        for ids in prompts:
-            limit = self._limit(len(ids), req.output_limit, "prompt")
-            for i in range(req.n):
-                jobs.append((ids, self._params(req, limit, i, req.logprobs)))
-                echoes.append(tok.decode(ids) if req.echo else "")
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
-                "system_fingerprint": self.m.fingerprint}
-        n_prompt = sum(len(p) for p in prompts)
-        streams = self._submit(jobs, rid)
-        if req.stream:
-            return self._streaming(self._completion_stream(streams, head, n_prompt, req.include_usage,
-                                                           req.logprobs is not None, echoes))
-        choices = await self._collect(streams, request, rid, n_prompt)
-        if choices is None:
-            return JSONResponse({}, status_code=499)
-        return JSONResponse({
-            **head,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": echoes[c.index] + c.text,
-                    "logprobs": self._legacy_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": self._usage(n_prompt, choices),
-        }, headers={"x-request-id": rid})
-
-    def _prompts(self, prompt: Any) -> list[list[int]]:
-        tok = self.m.tokenizer
-        if isinstance(prompt, str):
-            prompts = [tok.encode(prompt)]
-        elif prompt and all(isinstance(x, int) for x in prompt):
-            prompts = [list(prompt)]
-        elif prompt and all(isinstance(x, str) for x in prompt):
-            prompts = [tok.encode(p) for p in prompt]
-        elif prompt and all(isinstance(x, list) for x in prompt):
-            prompts = [list(p) for p in prompt]
-        else:
-            raise bad_request("prompt must be a string, a list of strings or a list of token ids", "prompt")
-        vocab = tok.vocab_size
-        for p in prompts:
-            if not p:
-                raise bad_request("prompt must not be empty", "prompt")
-            if any(not 0 <= t < vocab for t in p):
-                raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-        return prompts
-
-    async def _completion_stream(self, streams, head: dict[str, Any], n_prompt: int, include_usage: bool,
-                                 want_lp: bool, echoes: list[str]) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
-        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
-            obj = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-            if include_usage:
-                obj["usage"] = None
-            return self._sse(obj)
-
-        choices = [_Choice(i) for i in range(len(streams))]
-        for c in choices:
-            if echoes[c.index]:
-                yield chunk(c.index, echoes[c.index])
-        try:
-            async for item in self._events(streams, head["id"], n_prompt):
-                if item is None:
-                    yield ": ping\n\n"
-                    continue
-                i, out = item
-                if isinstance(out, Exception):
-                    yield self._error_event(out, head["id"])
-                    return
-                c = choices[i]
-                offset = len(c.text)
-                self._fold(c, out, head["id"])
-                if out.text or (want_lp and out.logprobs):
-                    yield chunk(i, out.text, None, self._legacy_logprobs(out.logprobs, offset) if want_lp else None)
-                if out.finished:
-                    yield chunk(i, "", c.finish_reason)
-        except APIError as e:
-            yield self._error_event(e, head["id"])
-            return
-        if include_usage:
-            yield self._sse({**head, "choices": [], "usage": self._usage(n_prompt, choices)})
-        yield "data: [DONE]\n\n"

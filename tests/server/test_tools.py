@@ -1,0 +1,202 @@
+"""Tool calls and structured output that are valid by construction, from the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from tests.serving import MODEL
+
+SCHEMAS = [
+    {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+     "required": ["city", "unit"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "number", "minimum": -10, "maximum": 10},
+                                      "b": {"type": "integer", "minimum": 1, "maximum": 5}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                "minItems": 1, "maxItems": 3}},
+     "required": ["items"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                  "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+                 "required": ["name", "age"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+     "required": ["user", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"flag": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 30},
+                                      "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+     "required": ["flag", "score"], "additionalProperties": False},
+]
+QUESTIONS = ["What's the weather like in Paris?", "Add two numbers for me.", "Make a short shopping list.",
+             "Register a new user called Ana.", "Rate this idea: a flying bicycle.", "Help me with my task."]
+
+
+def run_batch(server, make_kwargs, check, n: int = 50) -> None:
+    """Send n requests (half of them streamed), 8 at a time, and check each result."""
+    from openai import AsyncOpenAI
+
+    async def main():
+        client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        sem = asyncio.Semaphore(8)
+
+        async def one(i: int):
+            kwargs = make_kwargs(i)
+            async with sem:
+                if i % 2:
+                    return i, await collect_stream(client, kwargs)
+                r = await client.chat.completions.create(**kwargs)
+                return i, r.choices[0]
+
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+        await client.close()
+        return results
+
+    for i, result in asyncio.run(main()):
+        check(i, result)
+
+
+async def collect_stream(client, kwargs):
+    """Rebuild the message from chunks exactly as OpenAI clients do."""
+    stream = await client.chat.completions.create(**kwargs, stream=True)
+    content, calls, finish = "", {}, None
+    async for chunk in stream:
+        ch = chunk.choices[0]
+        if ch.delta.content:
+            content += ch.delta.content
+        for tc in ch.delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id and tc.type == "function" and tc.function.name  # first delta of an index
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments or ""}
+            else:
+                assert tc.id is None and tc.function.name is None
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+        finish = ch.finish_reason or finish
+    return {"content": content, "calls": [calls[k] for k in sorted(calls)], "finish_reason": finish}
+
+
+def tool(i: int) -> dict:
+    return {"type": "function", "function": {"name": f"tool_{i % len(SCHEMAS)}", "description": "Does a thing.",
+                                             "parameters": SCHEMAS[i % len(SCHEMAS)]}}
+
+
+def test_fifty_required_tool_calls_validate(server):
+    def kwargs(i):
+        return dict(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                    tools=[tool(i), tool(i + 1)], tool_choice="required", parallel_tool_calls=False,
+                    max_tokens=200, temperature=0.8, seed=i)
+
+    def check(i, result):
+        if isinstance(result, dict):
+            calls, content, finish = result["calls"], result["content"], result["finish_reason"]
+            calls = [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+        else:
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in result.message.tool_calls]
+            content, finish = result.message.content, result.finish_reason
+        assert finish == "tool_calls" and not content  # tool-call text never leaks into content
+        assert len(calls) == 1
+        names = {f"tool_{i % len(SCHEMAS)}": SCHEMAS[i % len(SCHEMAS)],
+                 f"tool_{(i + 1) % len(SCHEMAS)}": SCHEMAS[(i + 1) % len(SCHEMAS)]}
+        jsonschema.validate(json.loads(calls[0]["arguments"]), names[calls[0]["name"]])
+
+    run_batch(server, kwargs, check)
+
+
+def test_fifty_json_schema_responses_validate(server):
+    def kwargs(i):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        return dict(model=MODEL, messages=[{"role": "user", "content": "Answer in JSON. " + QUESTIONS[i % 6]}],
+                    response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                            "strict": True}},
+                    max_tokens=200, temperature=0.8, seed=100 + i)
+
+    def check(i, result):
+        content = result["content"] if isinstance(result, dict) else result.message.content
+        finish = result["finish_reason"] if isinstance(result, dict) else result.finish_reason
+        assert finish == "stop"
+        jsonschema.validate(json.loads(content), SCHEMAS[i % len(SCHEMAS)])
+
+    run_batch(server, kwargs, check)
+
+
+def test_json_object_mode(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+                                       response_format={"type": "json_object"}, max_tokens=300, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_named_tool_choice_and_parallel_calls(client):
+    tools = [tool(0), tool(1)]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                       tools=tools, tool_choice={"type": "function", "function": {"name": "tool_1"}},
+                                       max_tokens=120)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "tool_1" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[1])
+
+
+def test_auto_may_answer_in_text(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                       tools=[tool(0)], tool_choice="auto", max_tokens=30, temperature=0)
+    c = r.choices[0]
+    assert (c.message.content and not c.message.tool_calls) or (c.message.tool_calls and c.finish_reason ==
+                                                                 "tool_calls")
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                       tools=[tool(0)], tool_choice="none", max_tokens=10, temperature=0)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+def test_tool_results_in_history(client):
+    messages = [
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "tool_0", "arguments": '{"city":"Paris","unit":"celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool(0)], tool_choice="none",
+                                       max_tokens=40, temperature=0)
+    assert r.choices[0].message.content
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    hobbies: list[str]
+
+
+def test_sdk_parse_with_pydantic(client):
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Invent a person."}],
+                                      response_format=Person, max_tokens=150, temperature=0)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name
+
+
+def test_openai_agents_sdk_end_to_end(server):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        calls.append(city)
+        return f"The weather in {city} is 21 degrees and sunny."
+
+    client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Use the tool to answer weather questions.",
+        model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        tools=[get_weather],
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=100),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    agents.set_tracing_disabled(True)
+    result = asyncio.run(agents.Runner.run(agent, "What's the weather in Lisbon?", max_turns=3))
+    assert len(calls) == 1
+    assert result.final_output == f"The weather in {calls[0]} is 21 degrees and sunny."

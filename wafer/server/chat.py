@@ -1,0 +1,212 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from wafer.engine.constraints import GrammarError
+from wafer.engine.sequence import TokenLogprob
+from wafer.models.chat_template import TemplateError
+from wafer.server.errors import APIError, bad_request
+from wafer.server.generation import GenerationHandler, _Choice
+from wafer.server.protocol import ChatCompletionRequest
+from wafer.server.tools import (
+    ToolStream,
+    check_schema,
+    history_for_generic_template,
+    json_grammar,
+    parse_tool_calls,
+    template_knows_tools,
+    tool_grammar,
+    tools_system_prompt,
+)
+
+
+class ChatHandler(GenerationHandler):
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for lp in lps:
+            tok, b = self._token_text(lp.token_id)
+            top = []
+            for tid, value in lp.top:
+                t, tb = self._token_text(tid)
+                top.append({"token": t, "logprob": value, "bytes": tb})
+            content.append({"token": tok, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+
+    def _messages(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        messages = []
+        for i, msg in enumerate(req.messages):
+            try:
+                text = msg.text()
+            except ValueError as e:
+                raise bad_request(str(e), f"messages[{i}].content") from None
+            m: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": text}
+            if msg.name:
+                m["name"] = msg.name
+            if msg.tool_calls:
+                m["tool_calls"] = [tc.model_dump() for tc in msg.tool_calls]
+                if msg.content is None:
+                    m["content"] = ""
+            if msg.tool_call_id:
+                m["tool_call_id"] = msg.tool_call_id
+            messages.append(m)
+        return messages
+
+    def _tools(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str | dict[str, Any]]:
+        """The tools in force and the choice among them (none when tool_choice is 'none')."""
+        choice: str | dict[str, Any] = "auto"
+        if isinstance(req.tool_choice, str):
+            choice = req.tool_choice
+        elif req.tool_choice is not None:
+            choice = req.tool_choice.model_dump()
+        if not req.tools:
+            if choice not in ("none", "auto"):
+                raise bad_request("tool_choice requires tools", "tool_choice")
+            return [], "none"
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise bad_request("tool names must be unique", "tools")
+        for i, t in enumerate(tools):
+            if "parameters" in t["function"]:
+                check_schema(t["function"]["parameters"], f"tools[{i}].function.parameters")
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise bad_request(f"tool_choice names function {choice['function']['name']!r}, which is not in tools",
+                              "tool_choice")
+        return (tools, choice) if choice != "none" else ([], "none")
+
+    def _grammar(self, req: ChatCompletionRequest, tools: list[dict[str, Any]],
+                 choice: str | dict[str, Any]) -> str | None:
+        if tools:
+            grammar, param = tool_grammar(tools, choice, req.parallel_tool_calls), "tools"
+        elif req.response_format is not None and req.response_format.type != "text":
+            schema = None
+            param = "response_format"
+            if req.response_format.type == "json_schema":
+                param = "response_format.json_schema.schema"
+                schema = check_schema(req.response_format.json_schema.schema_, param)
+            grammar = json_grammar(schema)
+        else:
+            return None
+        try:
+            self.m.engine.engine.constraints.check(grammar)
+        except GrammarError as e:
+            raise bad_request(f"the schema cannot be compiled into a grammar: {e}", param) from None
+        return grammar
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                choice: str | dict[str, Any]) -> str:
+        template = self.m.chat_template
+        try:
+            if tools and template_knows_tools(template.source):
+                return template.render(messages, add_generation_prompt=True, tools=tools)
+            if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+                messages = history_for_generic_template(messages)
+            if tools:
+                note = tools_system_prompt(tools, choice)
+                if messages and messages[0]["role"] == "system":
+                    messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + note}, *messages[1:]]
+                else:
+                    messages = [{"role": "system", "content": note}, *messages]
+            return template.render(messages, add_generation_prompt=True)
+        except TemplateError as e:
+            raise bad_request(f"The conversation cannot be rendered by this model's chat template: {e}",
+                              "messages") from None
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        tools, choice = self._tools(req)
+        grammar = self._grammar(req, tools, choice)
+        ids = self.m.tokenizer.encode(self._render(self._messages(req), tools, choice), add_special_tokens=False)
+        limit = self._limit(len(ids), req.output_limit, "messages")
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        jobs = []
+        for i in range(req.n):
+            params = self._params(req, limit, i, lp)
+            params.grammar = grammar
+            jobs.append((ids, params))
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        head = {"id": rid, "created": int(time.time()), "model": req.model, "system_fingerprint": self.m.fingerprint}
+        streams = self._submit(jobs, rid)
+        if req.stream:
+            return self._streaming(self._chat_stream(streams, head, len(ids), req.include_usage, lp is not None,
+                                                     bool(tools)))
+        choices = await self._collect(streams, request, rid, len(ids))
+        if choices is None:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse({
+            **{"id": rid, "object": "chat.completion"}, **head,
+            "choices": [self._choice(c, lp is not None, bool(tools)) for c in choices],
+            "usage": self._usage(len(ids), choices),
+            "service_tier": "default",
+        }, headers={"x-request-id": rid})
+
+    def _choice(self, c: _Choice, want_lp: bool, tools: bool) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+        finish = c.finish_reason
+        calls = None
+        if tools:
+            try:
+                calls = parse_tool_calls(c.text)
+            except (ValueError, KeyError):  # a call cut short by max_tokens: leave the text as it is
+                calls = None
+        if calls:
+            message["content"] = None
+            message["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"index": c.index, "message": message,
+                "logprobs": self._chat_logprobs(c.logprobs) if want_lp else None, "finish_reason": finish}
+
+    async def _chat_stream(self, streams, head: dict[str, Any], n_prompt: int, include_usage: bool,  # type: ignore[no-untyped-def]
+                           want_lp: bool, tools: bool) -> AsyncIterator[str]:
+        base = {"id": head["id"], "object": "chat.completion.chunk", **head}
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+            obj = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                obj["usage"] = None
+            return self._sse(obj)
+
+        choices = [_Choice(i) for i in range(len(streams))]
+        parsers = [ToolStream() if tools else None for _ in choices]
+        for c in choices:
+            yield chunk(c.index, {"role": "assistant", "content": ""})
+        try:
+            async for item in self._events(streams, head["id"], n_prompt):
+                if item is None:
+                    yield ": ping\n\n"
+                    continue
+                i, out = item
+                if isinstance(out, Exception):
+                    yield self._error_event(out, head["id"])
+                    return
+                c = choices[i]
+                self._fold(c, out, head["id"])
+                lps = self._chat_logprobs(out.logprobs) if want_lp and out.logprobs else None
+                parser = parsers[i]
+                deltas = parser.feed(out.text, final=out.finished) if parser else (
+                    [{"content": out.text}] if out.text else [])
+                if lps is not None and not deltas:
+                    deltas = [{"content": ""}]
+                for k, delta in enumerate(deltas):
+                    yield chunk(i, delta, None, lps if k == 0 else None)
+                if out.finished:
+                    finish = c.finish_reason
+                    if parser is not None and parser.mode == "calls" and finish == "stop":
+                        finish = "tool_calls"
+                    yield chunk(i, {}, finish)
+        except APIError as e:
+            yield self._error_event(e, head["id"])
+            return
+        if include_usage:
+            yield self._sse({**base, "choices": [], "usage": self._usage(n_prompt, choices)})
+        yield "data: [DONE]\n\n"

@@ -47,7 +47,11 @@ def free_port() -> int:
 
 def start_server(loaded, api_keys=None, max_running=16, max_waiting=64, names=None, **app_kw) -> RunningServer:
     served = build_served(loaded, names or [MODEL], max_running, max_waiting, 2048, 256)
-    app = create_app(served, api_keys, **app_kw)
+    return serve_app(create_app(served, api_keys, **app_kw), served)
+
+
+def serve_app(app, served) -> RunningServer:
+    """Run an app on a free loopback port in a thread; returns once /health answers."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=4096, help="context to allocate per sequence")
     s.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step (prefill chunk)")
     s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
+    s.add_argument("--config", default=None, help="TOML file with models, tiers, aliases, upstreams and routing")
     s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)

@@ -56,8 +56,8 @@ def test_counters_match_usage(fresh):
     assert m[f"wafer:request_queue_time_seconds_count{{{lbl}}}"] == n
     assert m[f"wafer:request_generation_tokens_sum{{{lbl}}}"] == gen_sum
     assert m[f"wafer:inter_token_latency_seconds_count{{{lbl}}}"] == gen_sum - n
-    assert m[f"wafer:request_errors_total{{{lbl},status=400}}"] == 1
-    assert m[f"wafer:request_errors_total{{{lbl},status=404}}"] == 1
+    assert m["wafer:request_errors_total{model_name=,status=400}"] == 1  # HTTP-level: before any model
+    assert m["wafer:request_errors_total{model_name=,status=404}"] == 1
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "batch_size"):
         assert f"wafer:{gauge}{{{lbl}}}" in m
     assert m[f"wafer:num_requests_running{{{lbl}}}"] == 0

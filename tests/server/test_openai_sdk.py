@@ -13,8 +13,13 @@ HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 
 def test_models(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    ids = [m.id for m in models.data]
+    assert ids[0] == MODEL
+    # Without a configuration the model serves every tier, under the names the articles use.
+    assert set(ids) == {MODEL, "sol", "terra", "luna", "auto", "gpt-5.6", "gpt-5.6-sol", "gpt-5.6-terra",
+                        "gpt-5.6-luna"}
     assert client.models.retrieve(MODEL).id == MODEL
+    assert client.models.retrieve("gpt-5.6-luna").id == "gpt-5.6-luna"
 
 
 def test_chat_non_streaming(client, smollm):

@@ -12,9 +12,12 @@ from pydantic import BaseModel
 from tests.serving import MODEL
 
 SCHEMAS = [
-    {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                      "unit": {"enum": ["celsius", "fahrenheit"]}},
      "required": ["city", "unit"], "additionalProperties": False},
-    {"type": "object", "properties": {"a": {"type": "number", "minimum": -10, "maximum": 10},
+    # Fractional numbers carry multipleOf: with single-digit tokens a small model can otherwise spin
+    # out decimals until max_tokens (bounded strings and arrays, likewise).
+    {"type": "object", "properties": {"a": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.5},
                                       "b": {"type": "integer", "minimum": 1, "maximum": 5}},
      "required": ["a", "b"], "additionalProperties": False},
     {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},
@@ -27,7 +30,8 @@ SCHEMAS = [
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
      "required": ["user", "tags"], "additionalProperties": False},
     {"type": "object", "properties": {"flag": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 30},
-                                      "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+                                      "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                                                "multipleOf": 0.01}},
      "required": ["flag", "score"], "additionalProperties": False},
 ]
 QUESTIONS = ["What's the weather like in Paris?", "Add two numbers for me.", "Make a short shopping list.",
@@ -86,7 +90,7 @@ def test_fifty_required_tool_calls_validate(server):
     def kwargs(i):
         return dict(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                     tools=[tool(i), tool(i + 1)], tool_choice="required", parallel_tool_calls=False,
-                    max_tokens=200, temperature=0.8, seed=i)
+                    max_tokens=300, temperature=0.8, seed=i)
 
     def check(i, result):
         if isinstance(result, dict):
@@ -110,7 +114,7 @@ def test_fifty_json_schema_responses_validate(server):
         return dict(model=MODEL, messages=[{"role": "user", "content": "Answer in JSON. " + QUESTIONS[i % 6]}],
                     response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
                                                                             "strict": True}},
-                    max_tokens=200, temperature=0.8, seed=100 + i)
+                    max_tokens=300, temperature=0.8, seed=100 + i)
 
     def check(i, result):
         content = result["content"] if isinstance(result, dict) else result.message.content

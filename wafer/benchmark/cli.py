@@ -8,7 +8,13 @@ import datetime
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from wafer.benchmark.report import save, terminal_table
 from wafer.benchmark.runner import LoadConfig, run_load

@@ -48,8 +48,11 @@ class EngineRequest:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 64) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 64, step_lock: threading.Lock | None = None) -> None:
         self.engine = engine
+        # Engines of several models in one process take turns: two stepping at once would
+        # oversubscribe the cores, which costs far more than waiting.
+        self._step_lock = step_lock or threading.Lock()
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -181,7 +184,8 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
-                    outputs = self.engine.step()
+                    with self._step_lock:
+                        outputs = self.engine.step()
                 except Exception as e:  # the server must stay up: fail these requests, keep serving
                     self._fail_running(e)
                     continue

@@ -6,7 +6,12 @@ import torch
 
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.scheduler import ScheduledSeq
-from wafer.models.attention import AttentionBatch, PrefillChunk, causal_mask, decode_mask
+from wafer.models.attention import (
+    AttentionBatch,
+    PrefillChunk,
+    causal_mask,
+    decode_mask,
+)
 from wafer.models.llama import LlamaModel
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from wafer.errors import ModelLoadError

@@ -139,7 +139,8 @@ def _load_hf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json")
     tok = TextTokenizer.from_dir(path)
-    return LoadedModel(model, cfg, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path, path.name)
+    return LoadedModel(model, cfg, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path,
+                       display_name(str(path)))
 
 
 def _build(cfg: ModelConfig, get, dtype, progress, path: Path) -> LlamaModel:  # type: ignore[no-untyped-def]
@@ -160,8 +161,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], No
         tok = TextTokenizer.from_gguf(f.tokenizer_data(), scores)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
-    name = DEFAULT_MODEL_NAME if path == _default_or_none() else path.stem
-    return LoadedModel(model, f.config, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path, name)
+    return LoadedModel(model, f.config, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path,
+                       display_name(str(path)))
+
+
+def display_name(model: str | None) -> str:
+    """The name a model is served under when none is given."""
+    path = resolve_path(model)
+    if path == _default_or_none():
+        return DEFAULT_MODEL_NAME
+    return path.name if path.is_dir() else path.stem
 
 
 def _default_or_none() -> Path | None:
@@ -169,6 +178,25 @@ def _default_or_none() -> Path | None:
         return default_model_path()
     except ModelLoadError:
         return None
+
+
+def estimate_bytes(model: str | None, dtype_bytes: int = 4) -> int:
+    """Memory the weights will take once loaded (dequantised), read from file headers only."""
+    path = resolve_path(model)
+    if path.is_dir():
+        from safetensors import safe_open
+
+        total = 0
+        for shard in path.glob("*.safetensors"):
+            with safe_open(str(shard), framework="pt") as h:
+                for k in h.keys():
+                    n = 1
+                    for d in h.get_slice(k).get_shape():
+                        n *= d
+                    total += n
+        return total * dtype_bytes
+    f = GGUFFile(path)
+    return sum(int(t.n_elements) for t in f.reader.tensors) * dtype_bytes
 
 
 def load_tokenizer(model: str | None = None) -> TextTokenizer:

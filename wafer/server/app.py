@@ -5,22 +5,24 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from importlib.resources import files
 from typing import Any
 
+import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from importlib.resources import files
-
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-from wafer.server.errors import APIError, server_error
-from wafer.server.metrics import ServerMetrics, StatusCounter
+from wafer.router.config import LocalModelConfig, UpstreamConfig, default_config
+from wafer.router.router import Router, UnknownModel
+from wafer.router.upstream import UpstreamUnavailable, forward
 from wafer.server.chat import ChatHandler
 from wafer.server.completions import CompletionHandler
+from wafer.server.errors import APIError, server_error
 from wafer.server.generation import ServedModel
+from wafer.server.metrics import ServerMetrics, StatusCounter
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("wafer.server")
@@ -81,16 +83,56 @@ def _replay(chunks: list[bytes], final: Message | None, receive: Receive | None 
     return replayed
 
 
-def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def default_router(models: list[ServedModel]) -> Router:
+    """Without a configuration: the first model serves every tier; every name of each model answers."""
+    first = models[0]
+    cfg = default_config(None, [first.names[0]], {})
+    for m in models[1:]:
+        cfg.models[m.names[0]] = LocalModelConfig(m.names[0], None)
+    for m in models:
+        for alias in m.names[1:]:
+            cfg.aliases[alias] = m.names[0]
+    return Router(cfg, prompt_counter(first))
+
+
+def prompt_counter(served: ServedModel):  # type: ignore[no-untyped-def]
+    """Tokens of a request's text by a local tokenizer: what the routing rules measure."""
+
+    def count(body: dict[str, Any]) -> int:
+        if body.get("messages"):
+            text = "\n".join(p.get("text", "") if isinstance(p, dict) else str(p)
+                             for m in body["messages"] if isinstance(m, dict)
+                             for p in (m.get("content") if isinstance(m.get("content"), list) else [m.get("content") or ""]))
+        else:
+            text = str(body.get("prompt", ""))
+        return len(served.tokenizer.encode(text, add_special_tokens=False))
+
+    return count
+
+
+def create_app(
+    models: ServedModel | list[ServedModel],
+    api_keys: list[str] | None = None,
+    router: Router | None = None,
+    upstreams: dict[str, UpstreamConfig] | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The HTTP app over local models (each with its engine) and, through the router, upstreams."""
+    served_list = models if isinstance(models, list) else [models]
+    router = router or default_router(served_list)
+    upstreams = upstreams or {}
+    metrics = next((m.metrics for m in served_list if m.metrics is not None), None) or ServerMetrics()
+    local: dict[str, tuple[ServedModel, ChatHandler, CompletionHandler]] = {}
+    for served in served_list:
+        served.metrics = metrics
+        metrics.add_model(served.names[0], served.engine)
+        local[served.names[0]] = (served, ChatHandler(served), CompletionHandler(served))
     app = FastAPI(title="wafer", docs_url=None, redoc_url=None)
-    if served.metrics is None:
-        served.metrics = ServerMetrics(served.names[0], served.engine)
-    metrics = served.metrics
-    chat_handler = ChatHandler(served)
-    completion_handler = CompletionHandler(served)
     static = files("wafer.server") / "static"
     keys = list(api_keys or [])
-    app.state.served = served
+    app.state.served = served_list
+    app.state.router = router
+    http = httpx.AsyncClient()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
@@ -126,23 +168,61 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"We could not parse the JSON body of your request ({e.msg if hasattr(e, 'msg') else e}).",
+            raise APIError(400, f"We could not parse the JSON body of your request ({getattr(e, 'msg', e)}).",
                            "invalid_request_error", None, "invalid_json") from None
 
-    def check_model(name: str) -> None:
-        if name not in served.names:
-            raise APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
-                           "invalid_request_error", "model", "model_not_found")
+    def not_found(name: str) -> APIError:
+        return APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                        "invalid_request_error", "model", "model_not_found")
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": served.created, "owned_by": "wafer",
-                "max_model_len": served.max_model_len}
+        card: dict[str, Any] = {"id": name, "object": "model", "created": served_list[0].created, "owned_by": "wafer"}
+        if name in local:
+            card["max_model_len"] = local[name][0].max_model_len
+        return card
+
+    async def dispatch(kind: str, request: Request) -> Response:
+        body = await read_json(request)
+        req = parse_body(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
+        try:
+            decision = router.resolve(req.model, body)
+        except UnknownModel:
+            raise not_found(req.model) from None
+        metrics.routes.labels(decision.rule, decision.tier or "-").inc()
+        headers = {"x-wafer-route": decision.rule, "x-wafer-tier": decision.tier or ""}
+        failures = []
+        for target in decision.targets:
+            if target in local:
+                _, chat_handler, completion_handler = local[target]
+                req.model = target  # the response names the model that served it
+                if kind == "chat":
+                    response = await chat_handler.chat(req, request)
+                else:
+                    response = await completion_handler.completions(req, request)
+                response.headers.update({**headers, "x-wafer-model": target})
+                return response
+            up = upstreams[target]
+            try:
+                reply = await forward(http, up, "/chat/completions" if kind == "chat" else "/completions", body)
+            except UpstreamUnavailable as e:
+                log.warning("upstream %s could not answer (%s); falling back", target, e)
+                metrics.fallbacks.labels(target).inc()
+                failures.append(str(e))
+                continue
+            headers["x-wafer-model"] = up.model
+            if reply.stream is not None:
+                return StreamingResponse(reply.stream, media_type="text/event-stream", headers=headers)
+            return JSONResponse(reply.json, status_code=reply.status, headers=headers)
+        raise APIError(503, f"No server could answer for `{req.model}`: {'; '.join(failures)}", "server_error", None,
+                       "upstream_unavailable", {"Retry-After": "5"})
 
     @app.get("/health")
     async def health() -> Response:
-        ok = served.engine.accepting
-        return JSONResponse({"status": "ok" if ok else "draining", "running": served.engine.num_running,
-                             "waiting": served.engine.num_waiting}, status_code=200 if ok else 503)
+        ok = all(m.engine.accepting for m in served_list)
+        return JSONResponse({"status": "ok" if ok else "draining",
+                             "running": sum(m.engine.num_running for m in served_list),
+                             "waiting": sum(m.engine.num_waiting for m in served_list)},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -162,24 +242,21 @@ def create_app(served: ServedModel, api_keys: list[str] | None = None, max_body_
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in served.names]}
+        return {"object": "list", "data": [model_card(n) for n in router.names]}
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
+        if model_id not in router.names:
+            raise not_found(model_id)
         return model_card(model_id)
 
     @v1.post("/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await read_json(request))
-        check_model(req.model)
-        return await chat_handler.chat(req, request)
+        return await dispatch("chat", request)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await read_json(request))
-        check_model(req.model)
-        return await completion_handler.completions(req, request)
+        return await dispatch("completions", request)
 
     app.include_router(v1)
     app.add_middleware(BodyLimit, limit=max_body_bytes)

@@ -15,7 +15,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from wafer.engine.async_engine import AsyncEngine, EngineFailure, EngineOverloaded, EngineStopped, EngineRequest
+from wafer.engine.async_engine import (
+    AsyncEngine,
+    EngineFailure,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStopped,
+)
 from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
 from wafer.models.chat_template import ChatTemplate
 from wafer.models.tokenizer import TextTokenizer
@@ -129,7 +135,7 @@ class GenerationHandler:
         metrics. Leaving early aborts every request that has not finished."""
         q: asyncio.Queue = asyncio.Queue()
         engine = self.m.engine
-        timer = self.m.metrics.request() if self.m.metrics else None
+        timer = self.m.metrics.request(self.m.names[0]) if self.m.metrics else None
         last: dict[int, SequenceOutput] = {}
 
         async def pump(i: int, req: EngineRequest) -> None:
@@ -226,7 +232,7 @@ class GenerationHandler:
 
     def _error_event(self, e: Exception, rid: str) -> str:
         if self.m.metrics is not None:  # the HTTP status was 200 already; count what it would have been
-            self.m.metrics.error(e.status if isinstance(e, APIError) else 500)
+            self.m.metrics.error(e.status if isinstance(e, APIError) else 500, self.m.names[0])
         if isinstance(e, APIError):
             return self._sse(e.body())
         if isinstance(e, EngineFailure):

@@ -8,7 +8,9 @@ import hashlib
 import logging
 import signal
 import sys
+import threading
 import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -16,7 +18,9 @@ import uvicorn
 from wafer import __version__
 from wafer.engine.async_engine import AsyncEngine
 from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.models.loader import LoadedModel
+from wafer.models.loader import LoadedModel, display_name, estimate_bytes
+from wafer.router.config import ConfigError, ServeConfig, default_config, load_config
+from wafer.router.router import Router
 from wafer.server.app import create_app
 from wafer.server.generation import ServedModel
 
@@ -24,11 +28,12 @@ log = logging.getLogger("wafer.server")
 
 
 def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_waiting: int,
-                 max_model_len: int | None, max_batched_tokens: int = 256) -> ServedModel:
+                 max_model_len: int | None, max_batched_tokens: int = 256,
+                 step_lock: threading.Lock | None = None) -> ServedModel:
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens))
     engine.warmup()
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, step_lock=step_lock)
     async_engine.start()
     digest = hashlib.sha256(f"{loaded.name}:{loaded.config.quantization}:{__version__}".encode()).hexdigest()
     return ServedModel(
@@ -45,7 +50,7 @@ class GracefulServer(uvicorn.Server):
     """On SIGTERM/SIGINT: refuse new requests, let running ones finish for `grace` seconds,
     end the rest with a final chunk, then stop. A second SIGINT exits at once."""
 
-    def __init__(self, config: uvicorn.Config, served: ServedModel, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, served: list[ServedModel], grace: float) -> None:
         super().__init__(config)
         self.served = served
         self.grace = grace
@@ -57,35 +62,78 @@ class GracefulServer(uvicorn.Server):
                 self.force_exit = True
             return
         self._draining = True
-        self.served.engine.accepting = False
+        for m in self.served:
+            m.engine.accepting = False
         log.info("shutting down: finishing running requests (up to %.0fs)", self.grace)
         asyncio.get_event_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.grace
-        while not self.served.engine.idle and time.monotonic() < deadline:
+        while not all(m.engine.idle for m in self.served) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if not self.served.engine.idle:
+        if not all(m.engine.idle for m in self.served):
             log.info("grace period over: ending the remaining requests")
-            self.served.engine.finish_all("length")
+            for m in self.served:
+                m.engine.finish_all("length")
             await asyncio.sleep(0.5)  # let the final chunks reach their clients
         self.should_exit = True
 
 
-def serve(args: argparse.Namespace) -> int:
+def _memory_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2**30
+
+
+def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
+    """Load every local model of the configuration (weights shared between entries with the same
+    file), refusing up front when they would not fit the memory budget."""
     from wafer.cli import load_with_progress
 
+    paths = {m.path for m in cfg.models.values()}
+    need = sum(estimate_bytes(p) for p in paths)
+    budget = int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb is not None else int(0.8 * _memory_available())
+    if need > budget:
+        raise ConfigError(f"the configured models need about {need / 2**30:.1f} GiB of weights but the memory budget "
+                          f"is {budget / 2**30:.1f} GiB (memory_budget_gb, or 80% of available memory); "
+                          f"serve fewer or smaller models")
+    loaded: dict[str | None, LoadedModel] = {}
+    served = []
+    lock = threading.Lock()
+    for m in cfg.models.values():
+        if m.path not in loaded:
+            loaded[m.path] = load_with_progress(m.path, quiet)
+        o = m.options
+        served.append(build_served(loaded[m.path], [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
+                                   o.get("max_model_len", 4096), o.get("max_batched_tokens", 256), lock))
+    return served
+
+
+def serve(args: argparse.Namespace) -> int:
+    from wafer.server.app import prompt_counter
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_with_progress(args.model)
-    served = build_served(loaded, args.served_model_name, args.max_running, args.max_waiting, args.max_model_len,
-                          args.max_batched_tokens)
-    app = create_app(served, args.api_key)
+    options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
+               "max_batched_tokens": args.max_batched_tokens}
+    if args.config:
+        cfg = load_config(Path(args.config), options)
+    else:
+        cfg = default_config(args.model, args.served_model_name or [display_name(args.model)], options)
+    served = load_models(cfg)
+    router = Router(cfg, prompt_counter(served[0]))
+    app = create_app(served, args.api_key, router=router, upstreams=cfg.upstreams)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, served, args.shutdown_grace)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"wafer {__version__} serving {', '.join(served.names)} on http://{host}:{args.port}/v1 "
-          f"(max {args.max_running} running, context {served.max_model_len})", file=sys.stderr, flush=True)
+    tiers = ", ".join(f"{t} -> {' | '.join(v)}" for t, v in cfg.tiers.items())
+    print(f"wafer {__version__} serving on http://{host}:{args.port}/v1: models {', '.join(cfg.models)}; "
+          f"tiers {tiers}; names {', '.join(router.names)}", file=sys.stderr, flush=True)
     server.run()
-    served.engine.stop()
+    for m in served:
+        m.engine.stop()
     return 0

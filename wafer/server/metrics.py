@@ -31,6 +31,7 @@ class RequestTimer:
     """Times one request from arrival to its last token, for the histograms."""
 
     metrics: "ServerMetrics"
+    model: str
     start: float = field(default_factory=time.monotonic)
     first: float | None = None
     last: float | None = None
@@ -40,33 +41,34 @@ class RequestTimer:
         if n <= 0:
             return
         now = time.monotonic()
-        m = self.metrics
-        m.generation_tokens.labels(m.model).inc(n)  # as they come, so rates are live
+        m, model = self.metrics, self.model
+        m.generation_tokens.labels(model).inc(n)  # as they come, so rates are live
         if self.first is None:
             self.first = now
-            m.ttft.labels(m.model).observe(now - self.start)
+            m.ttft.labels(model).observe(now - self.start)
         elif self.last is not None:
-            m.itl.labels(m.model).observe(now - self.last)
+            m.itl.labels(model).observe(now - self.last)
         self.last = now
 
     def finish(self, reason: str | None, prompt_tokens: int, generation_tokens: int, queue_time: float | None) -> None:
-        m = self.metrics
+        m, model = self.metrics, self.model
         now = time.monotonic()
         e2e = now - self.start
-        m.e2e.labels(m.model).observe(e2e)
+        m.e2e.labels(model).observe(e2e)
         if queue_time is not None:
-            m.queue.labels(m.model).observe(queue_time)
-        m.prompt_len.labels(m.model).observe(prompt_tokens)
-        m.gen_len.labels(m.model).observe(generation_tokens)
-        m.prompt_tokens.labels(m.model).inc(prompt_tokens)
-        m.success.labels(m.model, reason or "unknown").inc()
+            m.queue.labels(model).observe(queue_time)
+        m.prompt_len.labels(model).observe(prompt_tokens)
+        m.gen_len.labels(model).observe(generation_tokens)
+        m.prompt_tokens.labels(model).inc(prompt_tokens)
+        m.success.labels(model, reason or "unknown").inc()
         ttft = (self.first - self.start) if self.first is not None else None
         m.recent.append((time.time(), ttft, e2e, generation_tokens))
 
 
 class ServerMetrics:
-    def __init__(self, model: str, engine: Any) -> None:
-        self.model = model
+    """One registry for the server; each local model adds its labelled gauges."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
         self.ttft = Histogram("wafer:time_to_first_token_seconds", "Time to first token.", lbl, buckets=_LATENCY,
@@ -87,24 +89,32 @@ class ServerMetrics:
                                lbl + ["finished_reason"], registry=r)
         self.errors = Counter("wafer:request_errors", "Requests answered with an error, by HTTP status.",
                               lbl + ["status"], registry=r)
-        running = Gauge("wafer:num_requests_running", "Sequences in the running batch.", lbl, registry=r)
-        waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
-        kv = Gauge("wafer:kv_cache_usage_perc", "Fraction of KV-cache token capacity in use (0 to 1).", lbl,
-                   registry=r)
-        batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
-        running.labels(model).set_function(lambda: engine.num_running)
-        waiting.labels(model).set_function(lambda: engine.num_waiting)
-        kv.labels(model).set_function(lambda: engine.engine.kv.usage)
-        batch.labels(model).set_function(lambda: engine.engine.stats.last_batch_size)
-        self.engine = engine
+        self.routes = Counter("wafer:route_requests", "Requests by the routing rule and tier that chose their model.",
+                              ["rule", "tier"], registry=r)
+        self.fallbacks = Counter("wafer:upstream_fallbacks", "Targets skipped because they could not answer.",
+                                 ["target"], registry=r)
+        self.running = Gauge("wafer:num_requests_running", "Sequences in the running batch.", lbl, registry=r)
+        self.waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
+        self.kv = Gauge("wafer:kv_cache_usage_perc", "Fraction of KV-cache token capacity in use (0 to 1).", lbl,
+                        registry=r)
+        self.batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
+        self.engines: dict[str, Any] = {}
         self.recent: deque[tuple[float, float | None, float, int]] = deque(maxlen=5000)
         self.started = time.time()
 
-    def request(self) -> RequestTimer:
-        return RequestTimer(self)
+    def add_model(self, name: str, engine: Any) -> None:
+        """Live gauges for a local model's engine (an AsyncEngine)."""
+        self.engines[name] = engine
+        self.running.labels(name).set_function(lambda: engine.num_running)
+        self.waiting.labels(name).set_function(lambda: engine.num_waiting)
+        self.kv.labels(name).set_function(lambda: engine.engine.kv.usage)
+        self.batch.labels(name).set_function(lambda: engine.engine.stats.last_batch_size)
 
-    def error(self, status: int) -> None:
-        self.errors.labels(self.model, str(status)).inc()
+    def request(self, model: str) -> RequestTimer:
+        return RequestTimer(self, model)
+
+    def error(self, status: int, model: str = "") -> None:
+        self.errors.labels(model, str(status)).inc()
 
     def snapshot(self, window: float = 60.0) -> dict[str, Any]:
         """What the dashboard shows: totals, and percentiles over the last `window` seconds."""
@@ -121,17 +131,17 @@ class ServerMetrics:
             for s in metric.samples:
                 if s.name.endswith("_total"):
                     errors[s.labels["status"]] = s.value
-        eng = self.engine
+        engines = list(self.engines.values())
         return {
             "time": now,
-            "model": self.model,
+            "model": ", ".join(self.engines),
             "generation_tokens_total": total(self.generation_tokens),
             "prompt_tokens_total": total(self.prompt_tokens),
             "requests_total": total(self.success),
             "errors": errors,
-            "running": eng.num_running,
-            "waiting": eng.num_waiting,
-            "kv_cache_usage": eng.engine.kv.usage,
+            "running": sum(e.num_running for e in engines),
+            "waiting": sum(e.num_waiting for e in engines),
+            "kv_cache_usage": max((e.engine.kv.usage for e in engines), default=0.0),
             "ttft_p50": _percentile(ttfts, 0.5),
             "ttft_p95": _percentile(ttfts, 0.95),
             "e2e_p50": _percentile(e2es, 0.5),

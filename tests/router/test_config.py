@@ -1,0 +1,72 @@
+"""wafer.toml: what it accepts and what it refuses, with a message that says why."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from wafer.cli import main
+from wafer.router.config import ConfigError, load_config
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "wafer.toml"
+    p.write_text(text)
+    return p
+
+
+def test_full_config(tmp_path):
+    cfg = load_config(write(tmp_path, """
+memory_budget_gb = 4
+[models.small]
+path = "bundled"
+max_running = 4
+[upstreams.cloud]
+base_url = "http://127.0.0.1:9/v1/"
+api_key_env = "CLOUD_KEY"
+model = "big"
+[tiers]
+sol = ["cloud", "small"]
+terra = "small"
+luna = "small"
+[aliases]
+fast = "luna"
+mine = "small"
+[routing]
+long_prompt_tokens = 100
+tiers = { code = "sol" }
+"""), {"max_running": 16, "max_model_len": 1024})
+    assert cfg.models["small"].path is None and cfg.models["small"].options == {"max_running": 4, "max_model_len": 1024}
+    assert cfg.upstreams["cloud"].base_url == "http://127.0.0.1:9/v1" and cfg.upstreams["cloud"].model == "big"
+    assert cfg.tiers == {"sol": ["cloud", "small"], "terra": ["small"], "luna": ["small"]}
+    assert cfg.routing.long_prompt_tokens == 100 and cfg.routing.tiers["code"] == "sol"
+    assert cfg.memory_budget_gb == 4
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[tiers]\nsol = 'x'", "no [models]"),
+    ("[models.a]\n[tiers]\nsol = 'nope'", "'nope'"),
+    ("[models.a]\n[tiers]\nmega = 'a'", "unknown tier"),
+    ("[models.a]\n[aliases]\nx = 'nowhere'", "'nowhere'"),
+    ("[models.a]\nspeed = 3", "unknown option"),
+    ("[models.a]\nfoo = 1", "unknown option"),
+    ("[models.a]\n[routing]\nbogus = 1", "bogus"),
+    ("[models.a]\n[routing]\ntiers = { code = 'mars' }", "mars"),
+    ("[upstreams.u]\nmodel = 'x'", "base_url"),
+    ("this is = not toml [", "invalid TOML"),
+])
+def test_bad_configs(tmp_path, text, words):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        load_config(p)
+    assert str(p) in str(e.value)
+
+
+def test_cli_refuses_bad_config_and_over_budget(tmp_path, capsys):
+    assert main(["serve", "--config", str(write(tmp_path, "[models.a]\nfoo = 1"))]) == 2
+    assert "unknown option" in capsys.readouterr().err
+    over = write(tmp_path, "memory_budget_gb = 0.01\n[models.a]\npath = 'bundled'\n[models.b]\npath = 'bundled'\n")
+    assert main(["serve", "--config", str(over)]) == 2
+    err = capsys.readouterr().err
+    assert "memory budget" in err and "GiB" in err

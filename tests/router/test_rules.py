@@ -1,0 +1,54 @@
+"""The routing rule set: a table of requests whose tier is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from wafer.router.config import RoutingConfig
+from wafer.router.rules import choose
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+CASES = [
+    # (body, prompt tokens, expected tier, expected rule)
+    ({"messages": user("hi"), "reasoning_effort": "high"}, 5, "sol", "effort_high"),
+    ({"messages": user("hi"), "reasoning_effort": "ultra"}, 5, "sol", "effort_high"),
+    ({"messages": user("write an essay"), "reasoning_effort": "minimal"}, 5, "luna", "effort_low"),
+    ({"messages": user("hi"), "reasoning_effort": "medium"}, 5, "terra", "effort_medium"),
+    ({"messages": user("Think hard: is 1001 prime?")}, 12, "sol", "hint"),
+    ({"messages": user("Please THINK CAREFULLY about this riddle")}, 12, "sol", "hint"),
+    ({"messages": user("Summarise this. " + "word " * 3000)}, 3000, "sol", "long_prompt"),
+    ({"messages": user("Plan my trip:\n1. book flights\n2. find a hotel\n3. plan the museums")}, 30, "sol",
+     "multi_step"),
+    ({"messages": user("First download the data, then clean it, and finally plot it.")}, 20, "sol", "multi_step"),
+    ({"messages": user("What's the weather in Paris?"), "tools": TOOLS}, 10, "terra", "tools"),
+    ({"messages": user("Why does this fail?\n```python\nprint(1/0)\n```")}, 20, "terra", "code"),
+    ({"messages": user("def add(a, b):\n    return a - b\nfix it")}, 20, "terra", "code"),
+    ({"messages": user("Hi!")}, 3, "luna", "short_prompt"),
+    ({"messages": user("What is the capital of France?")}, 8, "luna", "short_prompt"),
+    ({"messages": user("Tell me about the history of Rome. " * 40)}, 400, "terra", "default"),
+    ({"prompt": "Once upon a time"}, 5, "luna", "short_prompt"),
+    # Order matters: an explicit effort beats a hint, a hint beats code.
+    ({"messages": user("think hard"), "reasoning_effort": "low"}, 3, "luna", "effort_low"),
+    ({"messages": user("think hard about this code:\n```js\nx = 1;\n```")}, 20, "sol", "hint"),
+]
+
+
+@pytest.mark.parametrize("body,tokens,tier,rule", CASES)
+def test_route_table(body, tokens, tier, rule):
+    route = choose(body, tokens, RoutingConfig())
+    assert (route.tier, route.rule) == (tier, rule)
+
+
+def test_rules_are_configurable():
+    cfg = RoutingConfig(short_prompt_tokens=2, hints=["pretty please"])
+    cfg.tiers = {**cfg.tiers, "code": "sol"}
+    assert choose({"messages": user("Hi!")}, 3, cfg).rule == "default"
+    assert choose({"messages": user("pretty please")}, 3, cfg).rule == "hint"
+    assert choose({"messages": user("think hard")}, 30, cfg).rule == "default"
+    assert choose({"messages": user("```x```")}, 30, cfg).tier == "sol"

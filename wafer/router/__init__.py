@@ -1,0 +1,1 @@
+"""Tiers, aliases, routing rules and upstream servers: which model answers a request."""

@@ -1,0 +1,167 @@
+"""`wafer serve --config wafer.toml`: models, tiers, aliases, upstreams and routing rules.
+
+    [models.small]
+    path = "bundled"            # or a GGUF file / Hugging Face directory
+    max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens
+
+    [upstreams.cloud]
+    base_url = "http://10.0.0.5:8000/v1"
+    api_key_env = "CLOUD_API_KEY" # the key is read from this environment variable
+    model = "big-model"         # the name sent upstream
+
+    [tiers]
+    sol = ["cloud", "small"]    # first target serves; the rest are fallbacks, in order
+    terra = "small"
+    luna = "small"
+
+    [aliases]
+    fast = "luna"               # a name clients may use, for a tier or a model
+
+    [routing]                   # the rule set behind `auto` and `gpt-5.6` (see rules.py)
+    long_prompt_tokens = 1500
+    short_prompt_tokens = 200
+    hints = ["think hard", "think carefully"]
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from wafer.errors import WaferError
+
+TIERS = ("sol", "terra", "luna")
+ROUTER_NAMES = ("auto", "gpt-5.6")
+TIER_ALIASES = {"gpt-5.6-sol": "sol", "gpt-5.6-terra": "terra", "gpt-5.6-luna": "luna"}
+ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens")
+
+
+class ConfigError(WaferError):
+    pass
+
+
+@dataclass
+class LocalModelConfig:
+    name: str
+    path: str | None  # None: the bundled default
+    options: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class UpstreamConfig:
+    name: str
+    base_url: str
+    model: str
+    api_key_env: str | None = None
+    timeout: float = 120.0
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass
+class RoutingConfig:
+    long_prompt_tokens: int = 1500
+    short_prompt_tokens: int = 200
+    hints: list[str] = field(default_factory=lambda: [
+        "think hard", "think harder", "think carefully", "think deeply", "ultrathink", "take your time",
+        "reason carefully"])
+    multi_step_min_steps: int = 3
+    tiers: dict[str, str] = field(default_factory=lambda: {
+        "effort_high": "sol", "effort_low": "luna", "effort_medium": "terra", "hint": "sol", "long_prompt": "sol",
+        "multi_step": "sol", "tools": "terra", "code": "terra", "short_prompt": "luna", "default": "terra"})
+
+
+@dataclass
+class ServeConfig:
+    models: dict[str, LocalModelConfig]
+    upstreams: dict[str, UpstreamConfig]
+    tiers: dict[str, list[str]]  # tier -> targets (model or upstream names), primary first
+    aliases: dict[str, str]  # client name -> tier or model name
+    routing: RoutingConfig
+    memory_budget_gb: float | None = None
+
+    def check(self) -> None:
+        targets = set(self.models) | set(self.upstreams)
+        for tier in TIERS:
+            if tier not in self.tiers:
+                raise ConfigError(f"tier {tier!r} is not configured")
+            for t in self.tiers[tier]:
+                if t not in targets:
+                    raise ConfigError(f"tier {tier!r} names {t!r}, which is neither a model nor an upstream")
+        for alias, target in self.aliases.items():
+            if target not in TIERS and target not in targets:
+                raise ConfigError(f"alias {alias!r} points at {target!r}, which is not a tier, model or upstream")
+        for rule, tier in self.routing.tiers.items():
+            if tier not in TIERS:
+                raise ConfigError(f"routing rule {rule!r} sends to {tier!r}, which is not a tier")
+
+
+def default_config(model: str | None, names: list[str], options: dict[str, int]) -> ServeConfig:
+    """No file: one model serves every tier and answers to its own names (the first is canonical)."""
+    name = names[0]
+    return ServeConfig(
+        models={name: LocalModelConfig(name, model, options)},
+        upstreams={},
+        tiers={t: [name] for t in TIERS},
+        aliases={n: name for n in names[1:]},
+        routing=RoutingConfig(),
+    )
+
+
+def load_config(path: Path, cli_options: dict[str, int] | None = None) -> ServeConfig:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    try:
+        return _parse(raw, cli_options or {})
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"{path}: invalid configuration ({e})") from None
+
+
+def _parse(raw: dict[str, Any], cli_options: dict[str, int]) -> ServeConfig:
+    models = {}
+    for name, m in (raw.get("models") or {}).items():
+        path = m.get("path", "bundled")
+        opts = {**cli_options, **{k: int(v) for k, v in m.items() if k in ENGINE_OPTIONS}}
+        unknown = set(m) - {"path", *ENGINE_OPTIONS}
+        if unknown:
+            raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
+        models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts)
+    upstreams = {}
+    for name, u in (raw.get("upstreams") or {}).items():
+        if "base_url" not in u:
+            raise ConfigError(f"upstream {name!r} needs base_url")
+        upstreams[name] = UpstreamConfig(name, u["base_url"].rstrip("/"), u.get("model", name), u.get("api_key_env"),
+                                         float(u.get("timeout", 120.0)))
+    if not models and not upstreams:
+        raise ConfigError("no [models] and no [upstreams]")
+    first = next(iter(models or upstreams))
+    tiers = {}
+    for tier in TIERS:
+        value = (raw.get("tiers") or {}).get(tier, first)
+        tiers[tier] = [value] if isinstance(value, str) else list(value)
+    unknown_tiers = set(raw.get("tiers") or {}) - set(TIERS)
+    if unknown_tiers:
+        raise ConfigError(f"unknown tier(s) {sorted(unknown_tiers)}; tiers are {', '.join(TIERS)}")
+    routing = RoutingConfig()
+    for key, value in (raw.get("routing") or {}).items():
+        if key == "tiers":
+            routing.tiers = {**routing.tiers, **value}
+        elif hasattr(routing, key):
+            setattr(routing, key, value)
+        else:
+            raise ConfigError(f"[routing] has no option {key!r}")
+    cfg = ServeConfig(models, upstreams, tiers, dict(raw.get("aliases") or {}), routing, raw.get("memory_budget_gb"))
+    cfg.check()
+    return cfg

@@ -35,6 +35,8 @@ test: $(STAMP) $(CHROMIUM_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/decode.py
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/quality.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

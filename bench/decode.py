@@ -21,12 +21,12 @@ from bench.common import PROMPT, median_of, now, table  # noqa: E402
 THREADS = 2
 
 
-def wafer_runner(n_new: int):
+def wafer_runner(n_new: int, compute: str = "f32"):
     from wafer.engine.engine import EngineConfig, LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
 
-    loaded = load_model()
+    loaded = load_model(compute=compute)
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=2048))
     tok = loaded.tokenizer
 
@@ -116,7 +116,7 @@ def main() -> None:
     ids = prompt_ids(PROMPT)
     filler = " ".join(["The lighthouse stood on the rocky shore and watched the sea."] * 200)
     long_ids = prompt_ids(filler)[: args.long_prompt - 8] + ids[-8:]
-    systems: dict[str, object] = {"wafer": wafer_run}
+    systems: dict[str, object] = {"wafer": wafer_run, "wafer --quant int8": wafer_runner(args.tokens, "int8")[1]}
     _, hf_run = hf_runner(args.tokens)
     systems["transformers"] = hf_run
     lc = llama_cpp_runner(args.tokens)

@@ -17,6 +17,12 @@ def test_info_default_model():
     assert "llama" in r.stdout and "46,080" in r.stdout and "8192" in r.stdout and "Q4_1" in r.stdout
 
 
+def test_info_names_the_compute_path():
+    r = run("info", "--quant", "int8")
+    assert r.returncode == 0, r.stderr
+    assert "int8" in r.stdout and "compute path" in r.stdout
+
+
 def test_generate_streams_greedy_text():
     r = run("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "8")
     assert r.returncode == 0, r.stderr

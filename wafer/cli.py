@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 
 
-def load_with_progress(model: str | None, quiet: bool = False) -> "LoadedModel":
+def load_with_progress(model: str | None, quiet: bool = False, compute: str = "f32") -> "LoadedModel":
     """Load a model, with a progress bar on stderr."""
     import torch
     from rich.console import Console
@@ -30,7 +30,7 @@ def load_with_progress(model: str | None, quiet: bool = False) -> "LoadedModel":
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
                   TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task(f"loading {model or 'default model'}", total=None)
-        loaded = load_model(model, progress=lambda i, n: bar.update(task, completed=i, total=n))
+        loaded = load_model(model, progress=lambda i, n: bar.update(task, completed=i, total=n), compute=compute)
     if not quiet:
         console.print(f"[dim]loaded {loaded.name} ({loaded.config.arch}, {loaded.num_parameters / 1e6:.0f}M parameters)[/]")
     return loaded
@@ -71,7 +71,7 @@ def stream(engine: "LLMEngine", prompt_ids: list[int], params: "SamplingParams")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    loaded = load_with_progress(args.model, args.quiet)
+    loaded = load_with_progress(args.model, args.quiet, args.quant)
     engine = make_engine(loaded, args)
     tok = loaded.tokenizer
     if args.chat:
@@ -89,7 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    loaded = load_with_progress(args.model, args.quiet)
+    loaded = load_with_progress(args.model, args.quiet, args.quant)
     engine = make_engine(loaded, args)
     tok = loaded.tokenizer
     history: list[dict[str, str]] = []
@@ -128,7 +128,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     from wafer.models.loader import resolve_path
 
     path = resolve_path(args.model)
-    loaded = load_with_progress(args.model, quiet=True)
+    from wafer.models.quant import describe
+
+    loaded = load_with_progress(args.model, quiet=True, compute=args.quant)
     c = loaded.config
     rows = [
         ("model", loaded.name),
@@ -136,7 +138,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("architecture", c.arch),
         ("parameters", f"{loaded.num_parameters:,}"),
         ("file weights", c.quantization),
-        ("compute path", "float32 (dense, dequantised at load)"),
+        ("compute path", f"{loaded.compute}: {describe(loaded.compute)}"),
         ("layers", str(c.num_layers)),
         ("hidden size", str(c.hidden_size)),
         ("attention heads", f"{c.num_heads} query, {c.num_kv_heads} KV (head dim {c.head_dim})"),
@@ -174,6 +176,12 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=4096, help="context to allocate (default 4096)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or statistics")
+    _quant_arg(p)
+
+
+def _quant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", choices=["f32", "int8"], default="f32",
+                   help="compute path: f32 (reference) or int8 (int8 weights, about 2x faster decode on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="describe a model")
     i.add_argument("model", nargs="?", default=None, help=model_help)
+    _quant_arg(i)
     i.set_defaults(func=cmd_info)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -209,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=4096, help="context to allocate per sequence")
     s.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step (prefill chunk)")
     s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
+    _quant_arg(s)
     s.add_argument("--config", default=None, help="TOML file with models, tiers, aliases, upstreams and routing")
     s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-level", default="info")

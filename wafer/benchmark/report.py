@@ -57,8 +57,10 @@ def markdown(meta: dict[str, Any], cells: list[dict[str, Any]]) -> str:
         for c in cells:
             lines.append(f"| {c['input_len']} | {c['output_len']} | {c['concurrency']} | "
                          f"{c['cost_per_request']:.6f} | {c['cost_per_1k_requests']:.4f} |")
-    lines += ["", "Token counts: " + ", ".join(f"{c['token_count_fallbacks']} fallbacks / "
-                                                 f"{c['token_count_mismatches']} mismatches" for c in cells[:1]), ""]
+    fallbacks = sum(c["token_count_fallbacks"] for c in cells)
+    mismatches = sum(c["token_count_mismatches"] for c in cells)
+    lines += ["", f"Token counts from the server's usage; client-tokenizer fallbacks: {fallbacks}, "
+                  f"mismatches with the client's count of the text: {mismatches}.", ""]
     lines += ["```", FORMULAS, "```", ""]
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ class LoadedModel:
     chat_template: ChatTemplate
     path: Path
     name: str
+    compute: str = "f32"  # the compute path (see quant.py)
 
     @property
     def num_parameters(self) -> int:
@@ -214,15 +215,26 @@ def load_model(
     model: str | None = None,
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
+    compute: str = "f32",
 ) -> LoadedModel:
-    """Load `model` (a path, or None for the bundled default). Raises ModelLoadError."""
+    """Load `model` (a path, or None for the bundled default) for a compute path (quant.py).
+    Raises ModelLoadError."""
+    from wafer.models.quant import PATHS, apply_compute_path
+
+    if compute not in PATHS:
+        raise ModelLoadError(f"unknown compute path {compute!r} (choose from {', '.join(PATHS)})")
     path = resolve_path(model)
     if path.is_dir():
-        return _load_hf(path, dtype, progress)
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic == b"GGUF":
-        return _load_gguf(path, dtype, progress)
-    if path.suffix == ".safetensors":
-        return _load_hf(path.parent, dtype, progress)
-    raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")
+        loaded = _load_hf(path, dtype, progress)
+    else:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+        if magic == b"GGUF":
+            loaded = _load_gguf(path, dtype, progress)
+        elif path.suffix == ".safetensors":
+            loaded = _load_hf(path.parent, dtype, progress)
+        else:
+            raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")
+    loaded.model = apply_compute_path(loaded.model, compute)  # type: ignore[assignment]
+    loaded.compute = compute
+    return loaded

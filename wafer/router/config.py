@@ -2,6 +2,7 @@
 
     [models.small]
     path = "bundled"            # or a GGUF file / Hugging Face directory
+    quant = "int8"              # compute path: f32 (default) or int8
     max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens
 
     [upstreams.cloud]
@@ -49,6 +50,7 @@ class LocalModelConfig:
     name: str
     path: str | None  # None: the bundled default
     options: dict[str, int] = field(default_factory=dict)
+    quant: str = "f32"  # the compute path
 
 
 @dataclass
@@ -102,11 +104,11 @@ class ServeConfig:
                 raise ConfigError(f"routing rule {rule!r} sends to {tier!r}, which is not a tier")
 
 
-def default_config(model: str | None, names: list[str], options: dict[str, int]) -> ServeConfig:
+def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = "f32") -> ServeConfig:
     """No file: one model serves every tier and answers to its own names (the first is canonical)."""
     name = names[0]
     return ServeConfig(
-        models={name: LocalModelConfig(name, model, options)},
+        models={name: LocalModelConfig(name, model, options, quant)},
         upstreams={},
         tiers={t: [name] for t in TIERS},
         aliases={n: name for n in names[1:]},
@@ -114,7 +116,7 @@ def default_config(model: str | None, names: list[str], options: dict[str, int])
     )
 
 
-def load_config(path: Path, cli_options: dict[str, int] | None = None) -> ServeConfig:
+def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = "f32") -> ServeConfig:
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -122,22 +124,24 @@ def load_config(path: Path, cli_options: dict[str, int] | None = None) -> ServeC
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
     try:
-        return _parse(raw, cli_options or {})
+        return _parse(raw, cli_options or {}, quant)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"{path}: invalid configuration ({e})") from None
 
 
-def _parse(raw: dict[str, Any], cli_options: dict[str, int]) -> ServeConfig:
+def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "f32") -> ServeConfig:
     models = {}
     for name, m in (raw.get("models") or {}).items():
         path = m.get("path", "bundled")
         opts = {**cli_options, **{k: int(v) for k, v in m.items() if k in ENGINE_OPTIONS}}
-        unknown = set(m) - {"path", *ENGINE_OPTIONS}
+        unknown = set(m) - {"path", "quant", *ENGINE_OPTIONS}
         if unknown:
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
-        models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts)
+        if m.get("quant", quant) not in ("f32", "int8"):
+            raise ConfigError(f"model {name!r}: quant must be f32 or int8")
+        models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts, m.get("quant", quant))
     upstreams = {}
     for name, u in (raw.get("upstreams") or {}).items():
         if "base_url" not in u:

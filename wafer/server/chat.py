@@ -11,9 +11,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from wafer.engine.constraints import GrammarError
-from wafer.engine.sequence import TokenLogprob
+from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.models.chat_template import TemplateError
-from wafer.server.errors import APIError, bad_request
+from wafer.server.errors import bad_request
 from wafer.server.generation import GenerationHandler, _Choice
 from wafer.server.protocol import ChatCompletionRequest
 from wafer.server.tools import (
@@ -176,37 +176,23 @@ class ChatHandler(GenerationHandler):
                 obj["usage"] = None
             return self._sse(obj)
 
-        choices = [_Choice(i) for i in range(len(streams))]
-        parsers = [ToolStream() if tools else None for _ in choices]
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
-        try:
-            async for item in self._events(streams, head["id"], n_prompt):
-                if item is None:
-                    yield ": ping\n\n"
-                    continue
-                i, out = item
-                if isinstance(out, Exception):
-                    yield self._error_event(out, head["id"])
-                    return
-                c = choices[i]
-                self._fold(c, out, head["id"])
-                lps = self._chat_logprobs(out.logprobs) if want_lp and out.logprobs else None
-                parser = parsers[i]
-                deltas = parser.feed(out.text, final=out.finished) if parser else (
-                    [{"content": out.text}] if out.text else [])
-                if lps is not None and not deltas:
-                    deltas = [{"content": ""}]
-                for k, delta in enumerate(deltas):
-                    yield chunk(i, delta, None, lps if k == 0 else None)
-                if out.finished:
-                    finish = c.finish_reason
-                    if parser is not None and parser.mode == "calls" and finish == "stop":
-                        finish = "tool_calls"
-                    yield chunk(i, {}, finish)
-        except APIError as e:
-            yield self._error_event(e, head["id"])
-            return
-        if include_usage:
-            yield self._sse({**base, "choices": [], "usage": self._usage(n_prompt, choices)})
-        yield "data: [DONE]\n\n"
+        parsers = [ToolStream() if tools else None for _ in streams]
+
+        def render(c: _Choice, out: SequenceOutput, _offset: int) -> list[str]:
+            lps = self._chat_logprobs(out.logprobs) if want_lp and out.logprobs else None
+            parser = parsers[c.index]
+            deltas = parser.feed(out.text, final=out.finished) if parser else (
+                [{"content": out.text}] if out.text else [])
+            if lps is not None and not deltas:
+                deltas = [{"content": ""}]
+            lines = [chunk(c.index, delta, None, lps if k == 0 else None) for k, delta in enumerate(deltas)]
+            if out.finished:
+                finish = c.finish_reason
+                if parser is not None and parser.mode == "calls" and finish == "stop":
+                    finish = "tool_calls"
+                lines.append(chunk(c.index, {}, finish))
+            return lines
+
+        opening = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(streams))]
+        async for line in self._sse_stream(streams, base, n_prompt, include_usage, opening, render):
+            yield line

@@ -10,8 +10,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from wafer.engine.sequence import TokenLogprob
-from wafer.server.errors import APIError, bad_request
+from wafer.engine.sequence import SequenceOutput, TokenLogprob
+from wafer.server.errors import bad_request
 from wafer.server.generation import GenerationHandler, _Choice
 from wafer.server.protocol import CompletionRequest
 
@@ -98,29 +98,15 @@ class CompletionHandler(GenerationHandler):
                 obj["usage"] = None
             return self._sse(obj)
 
-        choices = [_Choice(i) for i in range(len(streams))]
-        for c in choices:
-            if echoes[c.index]:
-                yield chunk(c.index, echoes[c.index])
-        try:
-            async for item in self._events(streams, head["id"], n_prompt):
-                if item is None:
-                    yield ": ping\n\n"
-                    continue
-                i, out = item
-                if isinstance(out, Exception):
-                    yield self._error_event(out, head["id"])
-                    return
-                c = choices[i]
-                offset = len(c.text)
-                self._fold(c, out, head["id"])
-                if out.text or (want_lp and out.logprobs):
-                    yield chunk(i, out.text, None, self._legacy_logprobs(out.logprobs, offset) if want_lp else None)
-                if out.finished:
-                    yield chunk(i, "", c.finish_reason)
-        except APIError as e:
-            yield self._error_event(e, head["id"])
-            return
-        if include_usage:
-            yield self._sse({**head, "choices": [], "usage": self._usage(n_prompt, choices)})
-        yield "data: [DONE]\n\n"
+        def render(c: _Choice, out: SequenceOutput, offset: int) -> list[str]:
+            lines = []
+            if out.text or (want_lp and out.logprobs):
+                lines.append(chunk(c.index, out.text, None,
+                                   self._legacy_logprobs(out.logprobs, offset) if want_lp else None))
+            if out.finished:
+                lines.append(chunk(c.index, "", c.finish_reason))
+            return lines
+
+        opening = [chunk(i, echo) for i, echo in enumerate(echoes) if echo]
+        async for line in self._sse_stream(streams, head, n_prompt, include_usage, opening, render):
+            yield line

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,3 +266,33 @@ class GenerationHandler:
                 nxt.cancel()
                 await asyncio.gather(nxt, return_exceptions=True)
             await merged.aclose()
+
+    async def _sse_stream(self, streams: list[EngineRequest], head: dict[str, Any], n_prompt: int,
+                          include_usage: bool, opening: list[str],
+                          render: Callable[[_Choice, SequenceOutput, int], list[str]]) -> AsyncIterator[str]:
+        """The event stream both endpoints share: opening chunks; for each output, what `render`
+        makes of it (given the choice and its text length before); pings while waiting; an error
+        event on failure; the usage chunk when asked; [DONE]."""
+        choices = [_Choice(i) for i in range(len(streams))]
+        for line in opening:
+            yield line
+        try:
+            async for item in self._events(streams, head["id"], n_prompt):
+                if item is None:
+                    yield ": ping\n\n"
+                    continue
+                i, out = item
+                if isinstance(out, Exception):
+                    yield self._error_event(out, head["id"])
+                    return
+                c = choices[i]
+                offset = len(c.text)
+                self._fold(c, out, head["id"])
+                for line in render(c, out, offset):
+                    yield line
+        except APIError as e:
+            yield self._error_event(e, head["id"])
+            return
+        if include_usage:
+            yield self._sse({**head, "choices": [], "usage": self._usage(n_prompt, choices)})
+        yield "data: [DONE]\n\n"

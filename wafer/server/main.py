@@ -94,21 +94,22 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
     file), refusing up front when they would not fit the memory budget."""
     from wafer.cli import load_with_progress
 
-    paths = {m.path for m in cfg.models.values()}
+    paths = {m.path for m in cfg.models.values()}  # f32 dequantised size: an upper bound for int8 too
     need = sum(estimate_bytes(p) for p in paths)
     budget = int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb is not None else int(0.8 * _memory_available())
     if need > budget:
         raise ConfigError(f"the configured models need about {need / 2**30:.1f} GiB of weights but the memory budget "
                           f"is {budget / 2**30:.1f} GiB (memory_budget_gb, or 80% of available memory); "
                           f"serve fewer or smaller models")
-    loaded: dict[str | None, LoadedModel] = {}
+    loaded: dict[tuple[str | None, str], LoadedModel] = {}
     served = []
     lock = threading.Lock()
     for m in cfg.models.values():
-        if m.path not in loaded:
-            loaded[m.path] = load_with_progress(m.path, quiet)
+        key = (m.path, m.quant)
+        if key not in loaded:
+            loaded[key] = load_with_progress(m.path, quiet, m.quant)
         o = m.options
-        served.append(build_served(loaded[m.path], [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
+        served.append(build_served(loaded[key], [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
                                    o.get("max_model_len", 4096), o.get("max_batched_tokens", 256), lock))
     return served
 
@@ -120,9 +121,9 @@ def serve(args: argparse.Namespace) -> int:
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
                "max_batched_tokens": args.max_batched_tokens}
     if args.config:
-        cfg = load_config(Path(args.config), options)
+        cfg = load_config(Path(args.config), options, args.quant)
     else:
-        cfg = default_config(args.model, args.served_model_name or [display_name(args.model)], options)
+        cfg = default_config(args.model, args.served_model_name or [display_name(args.model)], options, args.quant)
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
     app = create_app(served, args.api_key, router=router, upstreams=cfg.upstreams)

@@ -1,0 +1,63 @@
+"""Compute paths against the float32 reference, within each path's documented tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.runner import ModelRunner
+from wafer.engine.scheduler import ScheduledSeq
+from wafer.engine.sequence import SamplingParams, Sequence
+from wafer.models.loader import load_model
+from wafer.models.quant import Int8Linear, apply_compute_path
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about snow.", "Explain photosynthesis briefly.",
+             "List three prime numbers.", "Who wrote Hamlet?"]
+TOLERANCE_NATS = 0.25  # int8: max |logprob difference| over the reference's top-10 next tokens
+
+
+def test_int8_linear_close_to_dense_and_exact_for_large_batches():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96, bias=True)
+    q = Int8Linear(lin)
+    x = torch.randn(4, 256)
+    ref = F.linear(x, lin.weight, lin.bias)
+    err = (q(x) - ref).abs().max() / ref.abs().max()
+    assert 0 < err < 0.02  # quantised (not a copy of the dense path), but close
+    big = torch.randn(64, 256)
+    assert torch.equal(q(big), F.linear(big, lin.weight, lin.bias))  # prefill-sized batches stay float32
+
+
+@pytest.fixture(scope="module")
+def int8_model():
+    return load_model(compute="int8")
+
+
+def last_logprobs(loaded, ids: list[int]) -> torch.Tensor:
+    kv = KVCache(loaded.config, 1, 256)
+    seq = Sequence(ids, SamplingParams())
+    seq.slot = kv.allocate()
+    runner = ModelRunner(loaded.model, kv)
+    runner.run([ScheduledSeq(seq, 0, len(ids) - 1)])
+    return torch.log_softmax(runner.run([ScheduledSeq(seq, len(ids) - 1, 1)])[0], -1)  # a decode step
+
+
+def test_int8_path_within_tolerance(smollm, int8_model):
+    assert int8_model.compute == "int8"
+    assert any(isinstance(m, Int8Linear) for m in int8_model.model.modules())
+    for q in QUESTIONS:
+        ids = smollm.tokenizer.encode(smollm.chat_template.render([{"role": "user", "content": q}]),
+                                      add_special_tokens=False)
+        ref, got = last_logprobs(smollm, ids), last_logprobs(int8_model, ids)
+        top = ref.topk(10).indices
+        assert (ref[top] - got[top]).abs().max() < TOLERANCE_NATS
+        # Greedy may only pick differently among tokens the reference itself rates within tolerance.
+        assert ref[int(got.argmax())] >= ref.max() - TOLERANCE_NATS
+
+
+def test_unknown_path_refused():
+    with pytest.raises(ValueError):
+        apply_compute_path(nn.Linear(2, 2), "fp4")

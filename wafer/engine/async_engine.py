@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from wafer.engine.engine import LLMEngine
@@ -73,7 +73,8 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     @property
     def num_waiting(self) -> int:
@@ -173,30 +174,30 @@ class AsyncEngine:
         self._requests.clear()
         self._by_seq.clear()
 
-    def _loop(self) -> None:
-        import torch
+    def poll(self) -> bool:
+        """One turn of the loop: take new requests and aborts, then step once if there is work.
+        Returns whether it stepped."""
+        self._drain_inbox()
+        if not self.engine.has_work:
+            return False
+        try:
+            with self._step_lock:
+                outputs = self.engine.step()
+        except Exception as e:  # the server must stay up: fail these requests, keep serving
+            self._fail_running(e)
+            return True
+        for out in outputs:
+            req = self._by_seq.get(out.seq_id)
+            if req is None:
+                continue
+            self._deliver(req, out)
+            if out.finished:
+                self._by_seq.pop(out.seq_id, None)
+                self._requests.pop(req.rid, None)
+        return True
 
-        with torch.inference_mode():
-            while not self._stop:
-                self._drain_inbox()
-                if not self.engine.has_work:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                try:
-                    with self._step_lock:
-                        outputs = self.engine.step()
-                except Exception as e:  # the server must stay up: fail these requests, keep serving
-                    self._fail_running(e)
-                    continue
-                for out in outputs:
-                    req = self._by_seq.get(out.seq_id)
-                    if req is None:
-                        continue
-                    self._deliver(req, out)
-                    if out.finished:
-                        self._by_seq.pop(out.seq_id, None)
-                        self._requests.pop(req.rid, None)
+    def _loop(self) -> None:
+        drive([self], lambda: self._stop)
 
     def _fail_running(self, error: Exception) -> None:
         self.failures += 1
@@ -208,3 +209,22 @@ class AsyncEngine:
             self._deliver(req, EngineFailure(f"internal engine error ({type(error).__name__})"))
         self._requests.clear()
         self._by_seq.clear()
+
+
+def drive(engines: list[AsyncEngine], should_stop: Callable[[], bool]) -> None:
+    """Run engines on the calling thread until should_stop(): the thread that loaded the models
+    should be the one that steps them (measured here: stepping from a second thread while the first
+    has its own OpenMP team costs a quarter of the decode speed)."""
+    import torch
+
+    wake = threading.Event()
+    for e in engines:
+        e._wake = wake
+    with torch.inference_mode():
+        while not should_stop():
+            busy = False
+            for e in engines:
+                busy |= e.poll()
+            if not busy:
+                wake.wait(0.05)
+                wake.clear()

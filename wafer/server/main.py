@@ -16,7 +16,7 @@ from types import FrameType
 import uvicorn
 
 from wafer import __version__
-from wafer.engine.async_engine import AsyncEngine
+from wafer.engine.async_engine import AsyncEngine, drive
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
 from wafer.router.config import ConfigError, ServeConfig, default_config, load_config
@@ -29,12 +29,14 @@ log = logging.getLogger("wafer.server")
 
 def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_waiting: int,
                  max_model_len: int | None, max_batched_tokens: int = 256,
-                 step_lock: threading.Lock | None = None) -> ServedModel:
+                 step_lock: threading.Lock | None = None, start: bool = True) -> ServedModel:
+    """A model ready to serve; with start=False its engine waits to be driven (see drive())."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens))
     engine.warmup()
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, step_lock=step_lock)
-    async_engine.start()
+    if start:
+        async_engine.start()
     digest = hashlib.sha256(f"{loaded.name}:{loaded.config.quantization}:{__version__}".encode()).hexdigest()
     return ServedModel(
         names=names or [loaded.name],
@@ -55,6 +57,18 @@ class GracefulServer(uvicorn.Server):
         self.served = served
         self.grace = grace
         self._draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def,override]
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def signal_from_main(self, sig: int, frame: FrameType | None) -> None:
+        """The process's signal handler: uvicorn runs in a thread, so hand the signal to its loop."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.handle_exit, sig, None)
+        else:
+            self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining:
@@ -110,7 +124,8 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
             loaded[key] = load_with_progress(m.path, quiet, m.quant)
         o = m.options
         served.append(build_served(loaded[key], [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
-                                   o.get("max_model_len", 4096), o.get("max_batched_tokens", 256), lock))
+                                   o.get("max_model_len", 4096), o.get("max_batched_tokens", 256), lock,
+                                   start=False))
     return served
 
 
@@ -134,7 +149,11 @@ def serve(args: argparse.Namespace) -> int:
     tiers = ", ".join(f"{t} -> {' | '.join(v)}" for t, v in cfg.tiers.items())
     print(f"wafer {__version__} serving on http://{host}:{args.port}/v1: models {', '.join(cfg.models)}; "
           f"tiers {tiers}; names {', '.join(router.names)}", file=sys.stderr, flush=True)
-    server.run()
-    for m in served:
-        m.engine.stop()
+    # HTTP in a thread, the engines on this one: the thread that loaded the models steps them.
+    http = threading.Thread(target=server.run, name="wafer-http")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.signal_from_main)
+    http.start()
+    drive([m.engine for m in served], lambda: not http.is_alive())
+    http.join()
     return 0

@@ -64,13 +64,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [N, 1, D]: gathered once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [N, heads, D]; rotate-half convention (GGUF Llama weights are un-permuted at load).
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -86,15 +88,16 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: tuple[torch.Tensor, torch.Tensor],
         batch: AttentionBatch,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rotary(q.view(n, self.n_heads, self.head_dim), positions)
-        k = rotary(k.view(n, self.n_kv, self.head_dim), positions)
+        qkv = self.qkv_proj(x)
+        q_and_k, v = qkv.split((self.split[0] + self.split[1], self.split[2]), dim=-1)
+        # Q and K are adjacent in the fused projection: rotate them in one pass.
+        qk = Rotary.apply(q_and_k.view(n, self.n_heads + self.n_kv, self.head_dim), *rope)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = v.view(n, self.n_kv, self.head_dim)
         o = attend(q, k, v, cache[0], cache[1], batch, self.scale)
         return self.o_proj(o.view(n, -1))
@@ -143,8 +146,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Logits [len(logits_indices) or N, vocab] for a flat batch of N tokens."""
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, cache in zip(self.layers, caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rotary, cache, batch)
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, cache, batch)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if logits_indices is not None:
             h = h[logits_indices]

@@ -109,7 +109,7 @@ def test_logprobs_are_model_logprobs(engine, prompts, smollm):
 
     kv = KVCache(smollm.config, 1, 256)
     seq = Sequence(ids.tolist(), SamplingParams())
-    seq.slot = kv.allocate()
+    seq.slot, _ = kv.allocate()
     logits = ModelRunner(smollm.model, kv).run([ScheduledSeq(seq, 0, len(ids))])
     assert s.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()), abs=1e-4)
 

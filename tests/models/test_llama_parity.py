@@ -40,7 +40,7 @@ def wafer_logits(loaded, prompt: list[int], steps: int) -> list[torch.Tensor]:
     kv = KVCache(loaded.config, 2, 512)
     runner = ModelRunner(loaded.model, kv)
     seq = Sequence(list(prompt), SamplingParams())
-    seq.slot = kv.allocate()
+    seq.slot, _ = kv.allocate()
     out = [runner.run([ScheduledSeq(seq, 0, len(prompt))], all_logits=True)]
     for _ in range(steps):
         seq.tokens.append(int(out[-1][-1].argmax()))

@@ -39,7 +39,7 @@ def int8_model():
 def last_logprobs(loaded, ids: list[int]) -> torch.Tensor:
     kv = KVCache(loaded.config, 1, 256)
     seq = Sequence(ids, SamplingParams())
-    seq.slot = kv.allocate()
+    seq.slot, _ = kv.allocate()
     runner = ModelRunner(loaded.model, kv)
     runner.run([ScheduledSeq(seq, 0, len(ids) - 1)])
     return torch.log_softmax(runner.run([ScheduledSeq(seq, len(ids) - 1, 1)])[0], -1)  # a decode step

@@ -169,3 +169,13 @@ def test_plain_endpoints(server, path):
     import httpx
 
     assert httpx.get(server.base_url + path).status_code == 200
+
+
+def test_second_turn_reports_cached_tokens(client):
+    turn1 = [{"role": "user", "content": "Give me a one-line fun fact about octopuses."}]
+    r1 = client.chat.completions.create(model=MODEL, messages=turn1, temperature=0, max_tokens=30)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "Another one, about squids."}]
+    r2 = client.chat.completions.create(model=MODEL, messages=turn2, temperature=0, max_tokens=5)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens < cached < r2.usage.prompt_tokens  # the history came from the prefix cache

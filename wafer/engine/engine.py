@@ -25,6 +25,7 @@ class EngineConfig:
     max_running: int = 16
     max_model_len: int | None = None  # default: the model's context length
     max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
+    prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
     seed: int | None = None
 
 
@@ -45,7 +46,8 @@ class LLMEngine:
         ctx = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or ctx, ctx)
         self.kv = KVCache(loaded.config, self.config.max_running, self.max_model_len)
-        self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens)
+        self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
+                                   self.config.prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv)
         self.sampler = Sampler(self.config.seed)
         self.stats = EngineStats()

@@ -27,8 +27,9 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_running: int, max_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCache, max_running: int, max_batched_tokens: int, prefix_caching: bool = True) -> None:
         self.kv = kv
+        self.prefix_caching = prefix_caching
         self.max_running = min(max_running, kv.num_slots)
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -61,7 +62,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running and self.kv.num_free:
             seq = self.waiting.popleft()
-            seq.slot = self.kv.allocate()
+            seq.slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
+            seq.num_cached = seq.num_cached_prompt = reused
             seq.status = Status.RUNNING
             seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
@@ -78,5 +80,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None:
-            self.kv.free(seq.slot)
+            # Positions [0, num_cached) hold this sequence's KV: keep them warm for a later prefix.
+            self.kv.free(seq.slot, seq.tokens[: seq.num_cached] if self.prefix_caching else None)
             seq.slot = None

@@ -98,6 +98,9 @@ class ServerMetrics:
         self.kv = Gauge("wafer:kv_cache_usage_perc", "Fraction of KV-cache token capacity in use (0 to 1).", lbl,
                         registry=r)
         self.batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
+        self.prefix_hit_rate = Gauge("wafer:prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / prompt tokens looked up.", lbl,
+                                     registry=r)
         self.engines: dict[str, Any] = {}
         self.recent: deque[tuple[float, float | None, float, int]] = deque(maxlen=5000)
         self.started = time.time()
@@ -109,6 +112,7 @@ class ServerMetrics:
         self.waiting.labels(name).set_function(lambda: engine.num_waiting)
         self.kv.labels(name).set_function(lambda: engine.engine.kv.usage)
         self.batch.labels(name).set_function(lambda: engine.engine.stats.last_batch_size)
+        self.prefix_hit_rate.labels(name).set_function(lambda: engine.engine.kv.prefix_hit_rate)
 
     def request(self, model: str) -> RequestTimer:
         return RequestTimer(self, model)

@@ -18,6 +18,8 @@ def test_multi_turn_reuses_history_and_matches_uncached(smollm):
     cached = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=1024))
     plain = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=1024, prefix_caching=False))
     history = [{"role": "user", "content": "Name a famous painter."}]
+    first_prompt: list[int] = []
+    previous: list[int] = []  # what the previous turn's KV holds
     for turn in range(3):
         ids = render(smollm, history)
         a = cached.generate([ids], GREEDY)[0]

@@ -32,7 +32,8 @@ def test_chat_non_streaming(client, smollm):
     prompt = smollm.chat_template.render(HELLO)
     assert r.usage.prompt_tokens == len(smollm.tokenizer.encode(prompt, add_special_tokens=False))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # Earlier requests may have left this prompt's prefix in the cache; the last token is always computed.
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
     # The completion is the answer plus the end-of-turn token.
     assert r.usage.completion_tokens == len(smollm.tokenizer.encode(c.message.content, add_special_tokens=False)) + 1

@@ -57,11 +57,16 @@ def serve_app(app, served) -> RunningServer:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
+    wait_healthy(base, 30)
+    return RunningServer(base, served, server, thread)
+
+
+def wait_healthy(base: str, timeout: float) -> None:
+    """Until GET /health answers 200 (or the timeout passes)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
+                return
         except httpx.HTTPError:
-            time.sleep(0.05)
-    return RunningServer(base, served, server, thread)
+            time.sleep(0.1)

@@ -43,7 +43,7 @@ def make_engine(loaded: "LoadedModel", args: argparse.Namespace) -> "LLMEngine":
                                           max_model_len=args.max_model_len))
 
 
-def sampling_from_args(args: argparse.Namespace, eos_ids: list[int]) -> "SamplingParams":
+def sampling_from_args(args: argparse.Namespace) -> "SamplingParams":
     from wafer.engine.sequence import SamplingParams
 
     return SamplingParams(
@@ -79,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = tok.encode(args.prompt)
     engine.warmup()
-    _, n, ttft, decode_s = stream(engine, ids, sampling_from_args(args, tok.eos_ids))
+    _, n, ttft, decode_s = stream(engine, ids, sampling_from_args(args))
     sys.stdout.write("\n")
     if not args.quiet:
         rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
@@ -117,7 +117,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.pop()
             continue
         try:
-            text, *_ = stream(engine, ids, sampling_from_args(args, tok.eos_ids))
+            text, *_ = stream(engine, ids, sampling_from_args(args))
         except KeyboardInterrupt:
             text = ""
         print()

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.serving import MODEL, free_port
+from tests.serving import MODEL, free_port, wait_healthy
 
 
 def test_sigterm_drains_then_exits_zero():
@@ -26,13 +26,7 @@ def test_sigterm_drains_then_exits_zero():
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(base, 120)
         startup = "".join(lines)
         assert f"http://127.0.0.1:{port}/v1" in startup and MODEL in startup and "smol" in startup
         ids = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]

@@ -89,11 +89,6 @@ class AsyncEngine:
         return self._pending == 0 and not self.engine.has_work
 
     # --- requests ---------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, tag: str = "") -> AsyncIterator[SequenceOutput]:
-        """Outputs of one sequence as the engine makes them; the last has `finished` set."""
-        async for out in self.stream(self.submit(prompt_ids, params, tag)):
-            yield out
-
     async def stream(self, req: EngineRequest) -> AsyncIterator[SequenceOutput]:
         """The outputs of a submitted request; leaving early aborts it."""
         finished = False

@@ -104,10 +104,6 @@ class KVCache:
         """Fraction of token capacity held by live sequences."""
         return sum(self._used_tokens.values()) / (self.num_slots * self.max_len)
 
-    def bytes_per_token(self) -> int:
-        k = self.layers[0][0]
-        return 2 * len(self.layers) * k.shape[1] * k.shape[3] * k.element_size()
-
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))

@@ -21,7 +21,7 @@ from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
 from wafer.router.config import ConfigError, ServeConfig, default_config, load_config
 from wafer.router.router import Router
-from wafer.server.app import create_app
+from wafer.server.app import create_app, prompt_counter
 from wafer.server.generation import ServedModel
 
 log = logging.getLogger("wafer.server")
@@ -130,8 +130,6 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from wafer.server.app import prompt_counter
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
                "max_batched_tokens": args.max_batched_tokens}

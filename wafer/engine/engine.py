@@ -6,16 +6,24 @@ Single-threaded by design: the server runs it in one thread of its own and talks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from wafer.engine.constraints import Constraints, mask_logits
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
-from wafer.engine.sampler import Sampler
-from wafer.engine.scheduler import Scheduler
+from wafer.engine.sampler import Sampler, token_logprob
+from wafer.engine.scheduler import ScheduledSeq, Scheduler
 from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput, Status
+from wafer.engine.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    SpeculativeConfig,
+    SpecStats,
+    rejection_sample,
+)
 from wafer.models.loader import LoadedModel
 from wafer.models.tokenizer import IncrementalDetokenizer
 
@@ -27,6 +35,7 @@ class EngineConfig:
     max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
     seed: int | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass
@@ -36,10 +45,13 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     last_batch_size: int = 0  # sequences advanced by the most recent step
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 draft: LoadedModel | None = None) -> None:
+        """`draft`: the proposing model when `config.speculative.method` is "draft"."""
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
@@ -54,6 +66,21 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.constraints = Constraints(self.tokenizer)
+        self.proposer = self._make_proposer(draft)
+
+    def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        if spec.method != "draft":
+            return None
+        if draft is None:
+            raise ValueError("speculative method 'draft' needs a draft model")
+        if (draft.tokenizer.tokenizer.get_vocab() != self.tokenizer.tokenizer.get_vocab()
+                or draft.config.vocab_size != self.loaded.config.vocab_size):
+            raise ValueError(f"draft model {draft.name} cannot propose for {self.loaded.name}: their tokenizers "
+                             "differ (speculative decoding needs the same vocabulary)")
+        return DraftModelProposer(draft.model, self.kv.num_slots, self.max_model_len, self.config.seed)
 
     # --- requests -------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
@@ -72,11 +99,17 @@ class LLMEngine:
         return seq
 
     def abort(self, seq_id: int) -> None:
-        seq = self.seqs.pop(seq_id, None)
-        self._detok.pop(seq_id, None)
+        seq = self.seqs.get(seq_id)
         if seq is not None and not seq.finished:
             seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.seqs.pop(seq.seq_id, None)
+        self._detok.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
 
     @property
     def has_work(self) -> bool:
@@ -95,25 +128,102 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
+            self._attach_drafts(scheduled)
         logits = self.runner.run(scheduled)
         self.stats.steps += 1
         self.stats.last_batch_size = len(scheduled)
         if len(scheduled) > 1:
             self.stats.batched_steps += 1
-        sampling = [item.seq for item in scheduled if item.samples]
-        for i, seq in enumerate(sampling):
-            if seq.matcher is not None:
-                mask_logits(logits[i], seq.matcher)
-        tokens, lps = self.sampler(logits, sampling) if sampling else ([], [])
+        plain: list[Sequence] = []
+        plain_rows: list[int] = []
+        verifying: list[tuple[ScheduledSeq, int]] = []
+        row = 0
         for item in scheduled:
-            item.seq.num_cached = item.start + item.count
-            self.kv.set_length(item.seq.slot, item.seq.num_cached)  # type: ignore[arg-type]
-            if item.start < item.seq.num_prompt:
-                self.stats.prompt_tokens += min(item.count, item.seq.num_prompt - item.start)
+            if item.samples:
+                if item.draft:
+                    verifying.append((item, row))
+                else:
+                    plain.append(item.seq)
+                    plain_rows.append(row)
+                row += item.rows
+            seq = item.seq
+            seq.num_cached = item.start + item.count - len(item.draft)
+            self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
+            if item.start < seq.num_prompt:
+                self.stats.prompt_tokens += min(item.count, seq.num_prompt - item.start)
         outputs = []
-        for seq, token, lp in zip(sampling, tokens, lps):
-            outputs.append(self._append(seq, token, lp))
+        if plain:
+            rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            for i, seq in enumerate(plain):
+                if seq.matcher is not None:
+                    mask_logits(rows[i], seq.matcher)
+            tokens, lps = self.sampler(rows, plain)
+            for seq, token, lp in zip(plain, tokens, lps):
+                outputs.append(self._append(seq, token, lp))
+        for item, row in verifying:
+            outputs.append(self._verify(item, logits[row : row + item.rows]))
         return outputs
+
+    # --- speculative decoding -------------------------------------------------------------------
+    def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+        """Give each decoding sequence that may speculate a proposal to verify in this step."""
+        k = self.config.speculative.num_tokens
+        items, limits = [], []
+        for item in scheduled:
+            seq = item.seq
+            if item.count != 1 or not item.samples or seq.matcher is not None:
+                continue
+            # No point proposing past max_tokens or the context: the last token is the target's own.
+            room = min(k, seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt) - 1,
+                       self.max_model_len - len(seq.tokens) - 1)
+            if room > 0:
+                items.append(item)
+                limits.append(room)
+        if not items:
+            return
+        for item, draft in zip(items, self.proposer.propose([i.seq for i in items], limits)):  # type: ignore[union-attr]
+            if draft.tokens:
+                item.draft, item.draft_probs = draft.tokens, draft.probs
+                item.count += len(draft.tokens)
+                item.rows = 1 + len(draft.tokens)
+
+    def _verify(self, item: ScheduledSeq, rows: torch.Tensor) -> SequenceOutput:
+        """Turn the target's logits over [last token, draft...] into 1 to len(draft)+1 tokens."""
+        seq, draft = item.seq, item.draft
+        p = seq.params
+        start_len = len(seq.tokens)
+        q = item.draft_probs
+        raw_lp = torch.log_softmax(rows, dim=-1) if p.logprobs is not None else None
+        fast = p.greedy and not p.needs_processing
+        argmax = rows.argmax(dim=-1).tolist() if fast else []
+        outs: list[SequenceOutput] = []
+        accepted = 0
+        for i in range(len(draft) + 1):
+            proposed = draft[i] if i < len(draft) else None
+            if fast:
+                token = argmax[i]
+            elif p.greedy:
+                token = int(self.sampler.processed(rows[i], seq).argmax())
+            elif proposed is None:
+                dist = self.sampler.processed(rows[i], seq)
+                token = int(torch.multinomial(dist, 1, generator=self.sampler.generator_for(seq)))
+            else:
+                dist = self.sampler.processed(rows[i], seq)
+                token, _ = rejection_sample(dist, proposed, q[i] if q is not None else None,  # type: ignore[index]
+                                            self.sampler.generator_for(seq))
+            # KV holds the sequence's last token and the draft tokens accepted so far.
+            seq.num_cached = start_len + i
+            lp = token_logprob(raw_lp[i], token, p.logprobs) if raw_lp is not None else None  # type: ignore[arg-type]
+            outs.append(self._append(seq, token, lp))
+            if token != proposed or seq.finished:
+                break
+            accepted += 1
+        self.stats.spec.record(len(draft), accepted)
+        if not seq.finished:
+            self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
+            self.proposer.verified(seq, start_len, accepted, len(draft))  # type: ignore[union-attr]
+        return _merge(outs)
 
     def _append(self, seq: Sequence, token: int, lp) -> SequenceOutput:  # type: ignore[no-untyped-def]
         p = seq.params
@@ -140,9 +250,7 @@ class LLMEngine:
         if seq.finish_reason is not None:
             if seq.finish_reason == "length":
                 seq.text += detok.flush()
-            self.scheduler.finish(seq)
-            self.seqs.pop(seq.seq_id, None)
-            self._detok.pop(seq.seq_id, None)
+            self._release(seq)
             end = len(seq.text)
         else:
             # Hold back what could still turn out to be the start of a stop string.
@@ -184,3 +292,22 @@ class LLMEngine:
     @torch.inference_mode()
     def warmup(self) -> None:
         self.generate([[self.tokenizer.bos_id or 0] * 4], SamplingParams(max_tokens=2, temperature=0))
+
+
+def _merge(outs: list[SequenceOutput]) -> SequenceOutput:
+    """One step's output for a sequence that gained several tokens."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    return SequenceOutput(
+        seq_id=last.seq_id,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        text="".join(o.text for o in outs),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        logprobs=[lp for o in outs for lp in o.logprobs],
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        queue_time=outs[0].queue_time,
+    )

@@ -22,9 +22,9 @@ class ModelRunner:
         self.window = model.config.sliding_window
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        """Logits [number of sampling sequences, vocab], in the order of `scheduled`
-        filtered to those that sample (or, with all_logits, for every token in batch order).
-        Single-token items go first so they attend together."""
+        """Logits in the order of `scheduled` filtered to those that sample: one row per such item,
+        or `rows` rows for an item that asks for more (a draft to verify) (with all_logits: every token, in
+        batch order). Single-token items go first so they attend together."""
         singles = [s for s in scheduled if s.count == 1]
         chunks = [s for s in scheduled if s.count > 1]
         order = singles + chunks
@@ -37,7 +37,7 @@ class ModelRunner:
             if n > 1:
                 ctx = start + n
                 prefills.append(PrefillChunk(len(ids), n, seq.slot, ctx, causal_mask(start, n, self.window)))
-            ids.extend(seq.tokens[start : start + n])
+            ids.extend(item.input_ids())
             positions.extend(range(start, start + n))
             slots.extend([seq.slot] * n)  # type: ignore[list-item]
         dec_pairs = [(s.seq.slot, s.start + 1) for s in singles]
@@ -61,7 +61,8 @@ class ModelRunner:
         for item in order:
             offset += item.count
             ends[id(item)] = offset - 1
-        rows = [ends[id(item)] for item in scheduled if item.samples]
+        rows = [r for item in scheduled if item.samples
+                for r in range(ends[id(item)] - item.rows + 1, ends[id(item)] + 1)]
         logits_rows = None if all_logits else torch.tensor(rows, dtype=torch.long)
         return self.model(
             torch.tensor(ids, dtype=torch.long),

@@ -64,23 +64,31 @@ class Sampler:
                 chosen.append(self._sample_row(logits[i], seq))
         lps: list[TokenLogprob | None] = []
         for i, seq in enumerate(seqs):
-            if raw_lp is None or seq.params.logprobs is None:
-                lps.append(None)
-                continue
-            row = raw_lp[i]
             k = seq.params.logprobs
-            top = row.topk(k) if k > 0 else None
-            alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-            lps.append(TokenLogprob(chosen[i], float(row[chosen[i]]), alts))
+            lps.append(None if raw_lp is None or k is None else token_logprob(raw_lp[i], chosen[i], k))
         return chosen, lps
 
-    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+    def processed(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """One row as this sequence samples from it: penalised logits when greedy, else probabilities."""
         p = seq.params
         if p.needs_processing:
             row = apply_penalties(row.clone(), seq)
         if p.greedy:
-            return int(row.argmax())
-        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = row.softmax(-1)
-        gen = seq.generator or self.generator
-        return int(torch.multinomial(probs, 1, generator=gen))
+            return row
+        return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+
+    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+        dist = self.processed(row, seq)
+        if seq.params.greedy:
+            return int(dist.argmax())
+        return int(torch.multinomial(dist, 1, generator=self.generator_for(seq)))
+
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        return seq.generator or self.generator
+
+
+def token_logprob(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The chosen token's logprob and the k best alternatives, from one row of log-softmax."""
+    top = row_logprobs.topk(k) if k > 0 else None
+    alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return TokenLogprob(token, float(row_logprobs[token]), alts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.sequence import Sequence, Status
@@ -18,12 +18,23 @@ from wafer.engine.sequence import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
-    count: int  # tokens computed this step
+    count: int  # tokens computed this step, draft tokens included
+    # Speculative tokens fed after the sequence's own: the step verifies them, one logits row each.
+    draft: list[int] = field(default_factory=list)
+    draft_probs: object = None  # [len(draft), vocab] tensor the draft was sampled from, or None
+    rows: int = 1  # logits rows wanted, from the end of this step's tokens (1 + len(draft) to verify)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, so its last logits give a token."""
-        return self.start + self.count == len(self.seq.tokens)
+        return self.start + self.count == len(self.seq.tokens) + len(self.draft)
+
+    def input_ids(self) -> list[int]:
+        """Tokens [start, start + count) of the sequence followed by its draft."""
+        n = len(self.seq.tokens)
+        if self.start >= n:
+            return self.draft[self.start - n : self.start - n + self.count]
+        return self.seq.tokens[self.start : self.start + self.count] + self.draft[: max(0, self.start + self.count - n)]
 
 
 class Scheduler:

@@ -1,0 +1,202 @@
+"""Speculative decoding: greedy output identical to plain decoding (n-gram and draft model, alone
+and batched), sampled output distributed as the target's, and the bookkeeping that makes it so."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.sequence import SamplingParams
+from wafer.engine.speculative import NgramProposer, SpeculativeConfig, SpecStats, rejection_sample
+from wafer.models.loader import load_model
+
+
+def engine(loaded, spec: str | SpeculativeConfig = "off", k: int = 5, draft=None, **kw) -> LLMEngine:
+    sc = spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec, k)
+    cfg = EngineConfig(max_running=kw.pop("max_running", 4), max_model_len=2048, speculative=sc, **kw)
+    return LLMEngine(loaded, cfg, draft=draft)
+
+
+def rewrite_prompt(loaded) -> list[int]:
+    src = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split))
+    text = loaded.chat_template.render(
+        [{"role": "user", "content": f"Rename `chunks` to `pieces` in this code:\n```python\n{src}\n```"}],
+        add_generation_prompt=True) + "```python\ndef _split(self, text):\n"
+    return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat(loaded, text: str) -> list[int]:
+    return loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": text}],
+                                                               add_generation_prompt=True), add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm) -> list[list[int]]:
+    return [rewrite_prompt(smollm), chat(smollm, "List the days of the week, then list them again in reverse."),
+            chat(smollm, "Write a haiku about the sea.")]
+
+
+def test_parse() -> None:
+    assert SpeculativeConfig.parse("ngram", 3).method == "ngram"
+    d = SpeculativeConfig.parse("draft:luna", 4)
+    assert (d.method, d.draft_model, d.num_tokens) == ("draft", "luna", 4)
+    assert not SpeculativeConfig.parse(None).enabled
+    for bad in ("draft:", "eagle", "ngram:3"):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.parse(bad)
+    with pytest.raises(ValueError):
+        SpeculativeConfig.parse("ngram", 0)
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
+    from wafer.engine.sequence import Sequence
+
+    prop = NgramProposer(SpeculativeConfig(method="ngram", ngram_max=3, ngram_min=2))
+    seq = Sequence([5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4], SamplingParams())
+    seq.tokens += [1, 6, 7]  # suffix (6, 7) last occurred before 3, 4; (1, 6, 7) never did
+    assert prop.propose([seq], [3])[0].tokens == [3, 4, 1]
+    seq.tokens += [42]
+    assert prop.propose([seq], [3])[0].tokens == []  # no earlier 42
+    seq.tokens += [9, 1]  # (9, 1) followed by 2, 6, 7
+    assert prop.propose([seq], [2])[0].tokens == [2, 6]
+
+
+@pytest.mark.parametrize("max_tokens", [7, 48])
+def test_ngram_greedy_equals_plain_alone_and_batched(smollm, prompts, max_tokens) -> None:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    plain = engine(smollm).generate(prompts, sp)
+    spec = engine(smollm, "ngram", k=6)
+    batched = spec.generate(prompts, sp)
+    alone = [spec.generate([p], sp)[0] for p in prompts]
+    for a, b, c in zip(plain, batched, alone):
+        assert b.output_ids == a.output_ids and c.output_ids == a.output_ids
+        assert b.text == a.text and b.finish_reason == a.finish_reason
+    assert spec.stats.spec.accepted_tokens > 0  # speculation really ran and was kept
+    if max_tokens > 20:  # long enough for the rewrite to copy its input
+        assert spec.stats.spec.mean_acceptance_length > 1.5
+
+
+def test_ngram_greedy_with_penalties_stop_strings_and_logprobs(smollm, prompts) -> None:
+    sp = SamplingParams(max_tokens=40, temperature=0, presence_penalty=0.3, logprobs=2, stop=["return"])
+    a = engine(smollm).generate(prompts, sp)
+    spec = engine(smollm, "ngram", k=4)
+    b = spec.generate(prompts, sp)
+    for x, y in zip(a, b):
+        assert y.output_ids == x.output_ids and y.text == x.text and y.finish_reason == x.finish_reason
+        assert [lp.token_id for lp in y.logprobs] == [lp.token_id for lp in x.logprobs]
+        assert [lp.logprob for lp in y.logprobs] == pytest.approx([lp.logprob for lp in x.logprobs], abs=1e-3)
+    assert spec.stats.spec.drafts > 0
+
+
+def test_draft_model_of_itself_is_always_accepted(smollm, prompts) -> None:
+    """The target drafting for itself proposes exactly its own greedy tokens: every draft is kept,
+    which only holds if the draft's KV cache follows the accepted sequence step by step."""
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = engine(smollm).generate(prompts, sp)
+    spec = engine(smollm, "draft:self", k=4, draft=smollm)
+    out = spec.generate(prompts, sp)
+    assert [s.output_ids for s in out] == [s.output_ids for s in plain]
+    st = spec.stats.spec
+    assert st.acceptance_rate > 0.95, st
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A target and a different draft with a 16-token vocabulary (sharply peaked, unlike each other)."""
+    from tests.tiny import make_hf_model
+
+    small = dict(vocab_size=16, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, initializer_range=0.5)
+    target = load_model(str(make_hf_model(tmp_path_factory.mktemp("target"), seed=1, **small)))
+    draft = load_model(str(make_hf_model(tmp_path_factory.mktemp("draft"), seed=2, **small)))
+    return target, draft
+
+
+def test_draft_model_greedy_equals_plain(tiny_pair) -> None:
+    target, draft = tiny_pair
+    prompts = [[1, 3, 4, 5], [1, 9, 9, 8, 7, 6, 5, 4], [1, 2]]
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    plain = engine(target).generate(prompts, sp)
+    spec = engine(target, "draft:d", k=3, draft=draft)
+    assert [s.output_ids for s in spec.generate(prompts, sp)] == [s.output_ids for s in plain]
+    assert [spec.generate([p], sp)[0].output_ids for p in prompts] == [s.output_ids for s in plain]
+    st = spec.stats.spec
+    assert 0 < st.accepted_tokens < st.draft_tokens  # some kept, some rejected: both paths ran
+
+
+def test_draft_with_other_tokenizer_is_refused(smollm, tiny_pair) -> None:
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        engine(smollm, "draft:tiny", draft=tiny_pair[0])
+    with pytest.raises(ValueError, match="needs a draft model"):
+        engine(smollm, "draft:missing")
+
+
+def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
+    """Draw proposals from q, keep or replace them: the result must be distributed as p."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.30, 0.00, 0.15, 0.20, 0.10, 0.15, 0.05])
+    q = torch.tensor([0.30, 0.05, 0.20, 0.05, 0.10, 0.10, 0.10, 0.10])
+    n = 40_000
+    # Bound: with 8 categories and 40k draws the expected total variation is about 0.006.
+    counts = torch.zeros(8)
+    for d in torch.multinomial(q, n, replacement=True, generator=gen).tolist():
+        counts[rejection_sample(p, d, q, gen)[0]] += 1
+    assert _tv(counts / n, p) < 0.015
+    # Deterministic proposals (n-gram): always proposing token 4.
+    counts.zero_()
+    for _ in range(n):
+        counts[rejection_sample(p, 4, None, gen)[0]] += 1
+    assert _tv(counts / n, p) < 0.015
+
+
+@torch.inference_mode()
+def _next_probs(loaded, ids: list[int]) -> torch.Tensor:
+    eng = engine(loaded)
+    seq = eng.add(ids, SamplingParams(max_tokens=1, temperature=0))
+    logits = eng.runner.run(eng.scheduler.schedule())
+    eng.abort(seq.seq_id)
+    return logits[-1].softmax(-1)
+
+
+@pytest.mark.parametrize("method", ["draft:d", "ngram"])
+def test_sampled_speculation_follows_the_target_distribution(tiny_pair, method) -> None:
+    target, draft = tiny_pair
+    prompt = [1, 3, 4, 3, 4, 3]  # repetitive, so the n-gram proposer has something to propose
+    p1 = _next_probs(target, prompt)
+    p2 = sum(p1[t] * _next_probs(target, prompt + [t]) for t in range(16))
+    assert _tv(p1, _next_probs(draft, prompt)) > 0.2  # the draft is wrong often enough to test rejection
+    n = 3000
+    # Every sequence speculates (max_running 100); n-gram matches of one token propose often here.
+    spec = SpeculativeConfig.parse(method, 3)
+    spec.max_running, spec.ngram_min = 100, 1
+    eng = engine(target, spec, draft=draft if method != "ngram" else None, max_running=100, seed=0)
+    counts1, counts2 = torch.zeros(16), torch.zeros(16)
+    sp = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    for _ in range(n // 100):
+        for s in eng.generate([prompt] * 100, sp):
+            counts1[s.output_ids[0]] += 1
+            counts2[s.output_ids[1]] += 1
+    st = eng.stats.spec
+    assert st.drafts > n // 5 and 0 < st.accepted_tokens < st.draft_tokens
+    # Bound: 16 categories, 3000 draws: expected total variation about 0.02; a sampler that kept
+    # every draft, or never corrected a rejection, is off by more than 0.1 here.
+    assert _tv(counts1 / n, p1) < 0.05
+    assert _tv(counts2 / n, p2) < 0.05
+
+
+def test_stats_as_vllm_counts_them() -> None:
+    st = SpecStats()
+    st.record(4, 2)
+    st.record(4, 0)
+    st.record(2, 2)
+    assert (st.drafts, st.draft_tokens, st.accepted_tokens) == (3, 10, 4)
+    assert st.accepted_per_pos == [2, 2, 0, 0]
+    assert st.mean_acceptance_length == pytest.approx(1 + 4 / 3)

@@ -45,8 +45,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(loaded, api_keys=None, max_running=16, max_waiting=64, names=None, **app_kw) -> RunningServer:
-    served = build_served(loaded, names or [MODEL], max_running, max_waiting, 2048, 256)
+def start_server(loaded, api_keys=None, max_running=16, max_waiting=64, names=None, engine_kw=None,
+                 **app_kw) -> RunningServer:
+    served = build_served(loaded, names or [MODEL], max_running, max_waiting, 2048, 256, **(engine_kw or {}))
     return serve_app(create_app(served, api_keys, **app_kw), served)
 
 

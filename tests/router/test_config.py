@@ -55,6 +55,10 @@ tiers = { code = "sol" }
     ("[models.a]\n[routing]\ntiers = { code = 'mars' }", "mars"),
     ("[upstreams.u]\nmodel = 'x'", "base_url"),
     ("this is = not toml [", "invalid TOML"),
+    ("[models.a]\nspeculative = 'eagle'", "expected off, ngram or draft:MODEL"),
+    ("[models.a]\nspeculative = 'ngram'\nnum_speculative_tokens = 0", "at least 1"),
+    ("[models.a]\nspeculative = 'draft:luna'\n[upstreams.u]\nbase_url = 'http://x/v1'\n[tiers]\nluna = 'u'",
+     "no local model to draft with"),
 ])
 def test_bad_configs(tmp_path, text, words):
     p = write(tmp_path, text)
@@ -70,3 +74,28 @@ def test_cli_refuses_bad_config_and_over_budget(tmp_path, capsys):
     assert main(["serve", "--config", str(over)]) == 2
     err = capsys.readouterr().err
     assert "memory budget" in err and "GiB" in err
+
+
+def test_draft_model_from_the_same_file_shares_its_weights(tmp_path, tiny_dir):
+    from wafer.engine.speculative import DraftModelProposer
+    from wafer.server.main import load_models
+
+    cfg = load_config(write(tmp_path, f"""
+[models.small]
+path = "{tiny_dir}"
+max_model_len = 256
+[models.big]
+path = "{tiny_dir}"
+quant = "int8"
+max_model_len = 256
+speculative = "draft:luna"
+num_speculative_tokens = 3
+[tiers]
+sol = "big"
+luna = "small"
+"""), settings={"speculative": "ngram"})
+    assert cfg.models["small"].speculative == "ngram"  # the CLI's value is the default
+    served = {m.names[0]: m for m in load_models(cfg, quiet=True)}
+    small, big = served["small"].engine.engine, served["big"].engine.engine
+    assert isinstance(big.proposer, DraftModelProposer) and big.config.speculative.num_tokens == 3
+    assert big.proposer.model is small.loaded.model  # luna's weights, not a second copy

@@ -4,6 +4,9 @@
     path = "bundled"            # or a GGUF file / Hugging Face directory
     quant = "int8"              # compute path: f32 (default) or int8
     max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens
+    speculative = "ngram"       # off (default), ngram, or draft:NAME (a model of this file, a tier, or a path)
+    num_speculative_tokens = 5
+    prefix_caching = true
 
     [upstreams.cloud]
     base_url = "http://10.0.0.5:8000/v1"
@@ -33,6 +36,7 @@ from typing import Any
 
 import tomllib
 
+from wafer.engine.speculative import SpeculativeConfig
 from wafer.errors import WaferError
 
 TIERS = ("sol", "terra", "luna")
@@ -51,6 +55,13 @@ class LocalModelConfig:
     path: str | None  # None: the bundled default
     options: dict[str, int] = field(default_factory=dict)
     quant: str = "f32"  # the compute path
+    speculative: str = "off"  # off | ngram | draft:NAME
+    num_speculative_tokens: int = 5
+    prefix_caching: bool = True
+
+
+# Per-model settings besides the integer engine options; the CLI's values are their defaults.
+MODEL_SETTINGS = ("quant", "speculative", "num_speculative_tokens", "prefix_caching")
 
 
 @dataclass
@@ -99,24 +110,36 @@ class ServeConfig:
         for alias, target in self.aliases.items():
             if target not in TIERS and target not in targets:
                 raise ConfigError(f"alias {alias!r} points at {target!r}, which is not a tier, model or upstream")
+        for m in self.models.values():
+            try:
+                spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens))
+            except ValueError as e:
+                raise ConfigError(f"model {m.name!r}: {e}") from None
+            if spec.draft_model in TIERS and not any(t in self.models for t in self.tiers[spec.draft_model]):
+                raise ConfigError(f"model {m.name!r}: tier {spec.draft_model!r} has no local model to draft with")
         for rule, tier in self.routing.tiers.items():
             if tier not in TIERS:
                 raise ConfigError(f"routing rule {rule!r} sends to {tier!r}, which is not a tier")
 
 
-def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = "f32") -> ServeConfig:
-    """No file: one model serves every tier and answers to its own names (the first is canonical)."""
+def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = "f32",
+                   settings: dict[str, Any] | None = None) -> ServeConfig:
+    """No file: one model serves every tier and answers to its own names (the first is canonical).
+    `settings`: values for MODEL_SETTINGS other than quant."""
     name = names[0]
-    return ServeConfig(
-        models={name: LocalModelConfig(name, model, options, quant)},
+    cfg = ServeConfig(
+        models={name: LocalModelConfig(name, model, options, quant, **(settings or {}))},
         upstreams={},
         tiers={t: [name] for t in TIERS},
         aliases={n: name for n in names[1:]},
         routing=RoutingConfig(),
     )
+    cfg.check()
+    return cfg
 
 
-def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = "f32") -> ServeConfig:
+def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = "f32",
+                settings: dict[str, Any] | None = None) -> ServeConfig:
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -124,24 +147,27 @@ def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: st
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
     try:
-        return _parse(raw, cli_options or {}, quant)
+        return _parse(raw, cli_options or {}, quant, settings or {})
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"{path}: invalid configuration ({e})") from None
 
 
-def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "f32") -> ServeConfig:
+def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "f32",
+           settings: dict[str, Any] | None = None) -> ServeConfig:
     models = {}
     for name, m in (raw.get("models") or {}).items():
         path = m.get("path", "bundled")
         opts = {**cli_options, **{k: int(v) for k, v in m.items() if k in ENGINE_OPTIONS}}
-        unknown = set(m) - {"path", "quant", *ENGINE_OPTIONS}
+        unknown = set(m) - {"path", *MODEL_SETTINGS, *ENGINE_OPTIONS}
         if unknown:
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
         if m.get("quant", quant) not in ("f32", "int8"):
             raise ConfigError(f"model {name!r}: quant must be f32 or int8")
-        models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts, m.get("quant", quant))
+        own = {**(settings or {}), **{k: m[k] for k in MODEL_SETTINGS if k in m and k != "quant"}}
+        models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts, m.get("quant", quant),
+                                        **own)
     upstreams = {}
     for name, u in (raw.get("upstreams") or {}).items():
         if "base_url" not in u:
@@ -169,3 +195,12 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "f32")
     cfg = ServeConfig(models, upstreams, tiers, dict(raw.get("aliases") or {}), routing, raw.get("memory_budget_gb"))
     cfg.check()
     return cfg
+
+
+def draft_target(cfg: ServeConfig, name: str) -> str:
+    """What `draft:NAME` points at: a model of the file, the first local model of a tier, or a path."""
+    if name in cfg.models:
+        return name
+    if name in TIERS:
+        return next(t for t in cfg.tiers[name] if t in cfg.models)
+    return name

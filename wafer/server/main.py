@@ -18,8 +18,9 @@ import uvicorn
 from wafer import __version__
 from wafer.engine.async_engine import AsyncEngine, drive
 from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.speculative import SpeculativeConfig
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
-from wafer.router.config import ConfigError, ServeConfig, default_config, load_config
+from wafer.router.config import ConfigError, ServeConfig, default_config, draft_target, load_config
 from wafer.router.router import Router
 from wafer.server.app import create_app, prompt_counter
 from wafer.server.generation import ServedModel
@@ -29,10 +30,13 @@ log = logging.getLogger("wafer.server")
 
 def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_waiting: int,
                  max_model_len: int | None, max_batched_tokens: int = 256,
-                 step_lock: threading.Lock | None = None, start: bool = True) -> ServedModel:
+                 step_lock: threading.Lock | None = None, start: bool = True,
+                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
+                 prefix_caching: bool = True) -> ServedModel:
     """A model ready to serve; with start=False its engine waits to be driven (see drive())."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
-                                            max_batched_tokens=max_batched_tokens))
+                                            max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
+                                            speculative=speculative or SpeculativeConfig()), draft=draft)
     engine.warmup()
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, step_lock=step_lock)
     if start:
@@ -116,16 +120,30 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
                           f"is {budget / 2**30:.1f} GiB (memory_budget_gb, or 80% of available memory); "
                           f"serve fewer or smaller models")
     loaded: dict[tuple[str | None, str], LoadedModel] = {}
+
+    def load(path: str | None, quant: str) -> LoadedModel:
+        if (path, quant) not in loaded:
+            loaded[(path, quant)] = load_with_progress(path, quiet, quant)
+        return loaded[(path, quant)]
+
     served = []
     lock = threading.Lock()
     for m in cfg.models.values():
-        key = (m.path, m.quant)
-        if key not in loaded:
-            loaded[key] = load_with_progress(m.path, quiet, m.quant)
+        target = load(m.path, m.quant)
+        spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens))
+        draft = None
+        if spec.draft_model is not None:
+            # A model of the configuration (weights shared with its own engine) or a file of its own.
+            ref = draft_target(cfg, spec.draft_model)
+            other = cfg.models.get(ref)
+            draft = load(other.path, other.quant) if other else load(ref, m.quant)
         o = m.options
-        served.append(build_served(loaded[key], [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
-                                   o.get("max_model_len", 4096), o.get("max_batched_tokens", 256), lock,
-                                   start=False))
+        try:
+            served.append(build_served(target, [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
+                                       o.get("max_model_len", 4096), o.get("max_batched_tokens", 256), lock,
+                                       start=False, speculative=spec, draft=draft, prefix_caching=m.prefix_caching))
+        except ValueError as e:  # a draft whose tokenizer differs
+            raise ConfigError(f"model {m.name!r}: {e}") from None
     return served
 
 
@@ -133,10 +151,13 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
                "max_batched_tokens": args.max_batched_tokens}
+    settings = {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                "prefix_caching": not args.no_prefix_caching}
     if args.config:
-        cfg = load_config(Path(args.config), options, args.quant)
+        cfg = load_config(Path(args.config), options, args.quant, settings)
     else:
-        cfg = default_config(args.model, args.served_model_name or [display_name(args.model)], options, args.quant)
+        cfg = default_config(args.model, args.served_model_name or [display_name(args.model)], options, args.quant,
+                             settings)
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
     app = create_app(served, args.api_key, router=router, upstreams=cfg.upstreams)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -102,6 +103,7 @@ class ServerMetrics:
                                      "Prompt tokens served from the prefix cache / prompt tokens looked up.", lbl,
                                      registry=r)
         self.engines: dict[str, Any] = {}
+        r.register(_SpecDecodeCollector(self.engines))
         self.recent: deque[tuple[float, float | None, float, int]] = deque(maxlen=5000)
         self.started = time.time()
 
@@ -146,12 +148,41 @@ class ServerMetrics:
             "running": sum(e.num_running for e in engines),
             "waiting": sum(e.num_waiting for e in engines),
             "kv_cache_usage": max((e.engine.kv.usage for e in engines), default=0.0),
+            "spec_acceptance_length": max((e.engine.stats.spec.mean_acceptance_length for e in engines), default=0.0),
             "ttft_p50": _percentile(ttfts, 0.5),
             "ttft_p95": _percentile(ttfts, 0.95),
             "e2e_p50": _percentile(e2es, 0.5),
             "e2e_p95": _percentile(e2es, 0.95),
             "window_requests": len(recent),
         }
+
+
+class _SpecDecodeCollector:
+    """Speculative decoding counters as vLLM names them, read from the engines at scrape time."""
+
+    def __init__(self, engines: dict[str, Any]) -> None:
+        self.engines = engines
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        lbl = ["model_name"]
+        drafts = CounterMetricFamily("wafer:spec_decode_num_drafts", "Proposals verified (one per sequence and step).",
+                                     labels=lbl)
+        tokens = CounterMetricFamily("wafer:spec_decode_num_draft_tokens", "Tokens proposed.", labels=lbl)
+        accepted = CounterMetricFamily("wafer:spec_decode_num_accepted_tokens", "Proposed tokens kept.", labels=lbl)
+        per_pos = CounterMetricFamily("wafer:spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens kept, by their position in the proposal.",
+                                      labels=lbl + ["position"])
+        length = GaugeMetricFamily("wafer:spec_decode_mean_acceptance_length",
+                                   "Tokens per verifying step: 1 + accepted / drafts (0 before any draft).", labels=lbl)
+        for name, engine in self.engines.items():
+            st = engine.engine.stats.spec
+            drafts.add_metric([name], st.drafts)
+            tokens.add_metric([name], st.draft_tokens)
+            accepted.add_metric([name], st.accepted_tokens)
+            for pos, n in enumerate(st.accepted_per_pos):
+                per_pos.add_metric([name, str(pos)], n)
+            length.add_metric([name], st.mean_acceptance_length)
+        yield from (drafts, tokens, accepted, per_pos, length)
 
 
 class StatusCounter:

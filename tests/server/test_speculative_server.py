@@ -1,0 +1,46 @@
+"""Speculative decoding through the server: the SDK sees the same greedy text, streamed or not,
+and /metrics carries vLLM's speculative counters."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import pytest
+from openai import OpenAI
+
+from tests.server.test_metrics import scrape
+from tests.serving import MODEL, start_server
+from wafer.engine.speculative import SpeculativeConfig
+
+
+@pytest.fixture(scope="module")
+def spec_server(smollm):
+    s = start_server(smollm, max_running=4, engine_kw={"speculative": SpeculativeConfig.parse("ngram", 6)})
+    yield s
+    s.stop()
+
+
+def test_same_text_as_plain_server_and_counters(spec_server, server):
+    src = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split))
+    kw = dict(model=MODEL, temperature=0, max_tokens=80,
+              messages=[{"role": "user", "content": f"Copy this code exactly:\n```python\n{src}\n```"}])
+    plain = OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(**kw)
+    client = OpenAI(base_url=spec_server.base_url + "/v1", api_key="x", max_retries=0)
+    fast = client.chat.completions.create(**kw)
+    assert fast.choices[0].message.content == plain.choices[0].message.content
+    assert fast.usage.completion_tokens == plain.usage.completion_tokens
+    streamed = client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+    m = scrape(spec_server)
+    st = spec_server.engine.stats.spec
+    key = "{model_name=" + MODEL + "}"
+    assert m["wafer:spec_decode_num_drafts_total" + key] == st.drafts > 0
+    assert m["wafer:spec_decode_num_accepted_tokens_total" + key] == st.accepted_tokens > 0
+    assert m["wafer:spec_decode_num_draft_tokens_total" + key] == st.draft_tokens
+    assert m["wafer:spec_decode_mean_acceptance_length" + key] == pytest.approx(1 + st.accepted_tokens / st.drafts)
+    assert m["wafer:spec_decode_num_accepted_tokens_per_pos_total{model_name=" + MODEL + ",position=0}"] > 0

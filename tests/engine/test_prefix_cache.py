@@ -1,5 +1,5 @@
 """Prefix caching: a later prompt that starts like an earlier sequence skips that prefill, gives the
-same greedy output as without the cache, and warm slots are evicted least recently used."""
+same greedy output as without the cache, warm slots are evicted least recently used, and a running sequence shares its prefix."""
 
 from __future__ import annotations
 
@@ -57,3 +57,20 @@ def test_lru_eviction_and_reuse_of_evicted_slots(smollm):
     again = engine.generate([x], GREEDY)[0]  # x is gone: only what it shares with y or z is reused
     assert again.num_cached_prompt == max(_common_prefix(x, y), _common_prefix(x, z)) < len(x) - 1
     assert again.output_ids == sx.output_ids
+
+
+def test_running_sequence_shares_its_prefix_with_a_newcomer(smollm):
+    """Agents fanned out with one long system prompt: the second copies what the first computed."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    a, b = (render(smollm, [system, {"role": "user", "content": q}]) for q in ("Name a fruit.", "Name a colour."))
+    engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512))
+    fresh = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefix_caching=False))
+    sa = engine.add(a, GREEDY)
+    engine.step()  # a's prompt is computed; a is still running
+    assert not sa.finished
+    sb = engine.add(b, GREEDY)
+    while not (sa.finished and sb.finished):
+        engine.step()
+    assert sb.num_cached_prompt == _common_prefix(a, b) > 100
+    ref = fresh.generate([a, b], GREEDY)
+    assert [sa.output_ids, sb.output_ids] == [r.output_ids for r in ref]

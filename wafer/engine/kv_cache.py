@@ -1,14 +1,17 @@
 """The KV cache: one slot per running sequence, all layers, KV heads never expanded.
 
-A slot holds up to `max_len` tokens contiguously, so a sequence's keys are a view, not a gather.
+A slot holds up to `max_len` tokens contiguously, so a sequence's keys are a view, not a gather
+(a paged cache would copy every block of the context on every decode step on this CPU path).
 The tensors are zero-filled lazily by the OS (calloc), so untouched capacity costs no memory.
 
-Prefix caching: a finished sequence's slot stays warm with the tokens its KV holds. A new sequence
-whose prompt starts with those tokens takes that slot and skips their prefill (multi-turn chats and
-agent loops resend the whole history); warm slots are evicted least recently used when no cold one
-is left. A prompt that continues a slot's whole content takes the slot over without a copy
-(positions past the prefix are masked until overwritten); one that shares only part of it gets the
-shared KV copied into a cold slot, so the warm entry survives for its own continuation.
+Prefix caching: every slot's computed tokens are cut into blocks of BLOCK tokens, and each full
+block is indexed by a hash chained over the whole prefix up to it (as in vLLM), with the set of
+slots that hold it: a block lives while at least one slot references it. A new prompt walks its
+own chain of block hashes to find the longest prefix some slot already holds, running or
+finished. A finished sequence's slot stays warm; warm slots are evicted least recently used when
+no cold one is left. A prompt that continues a warm slot's whole content takes the slot over without
+a copy; one that shares only part of a slot's content, or shares a prefix with a running sequence
+(concurrent requests with one system prompt), gets the shared KV copied into a slot of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections import OrderedDict
 import torch
 
 from wafer.models.config import ModelConfig
+
+BLOCK = 16  # tokens per hashed block
 
 
 class KVCache:
@@ -30,8 +35,12 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
-        self._used_tokens: dict[int, int] = {}
-        self._warm: OrderedDict[int, list[int]] = OrderedDict()  # slot -> tokens its KV holds, LRU first
+        self._used_tokens: dict[int, int] = {}  # live slot -> tokens computed
+        self._warm: OrderedDict[int, None] = OrderedDict()  # finished slots kept for reuse, LRU first
+        self._tokens: dict[int, list[int]] = {}  # slot -> its token ids (valid up to _valid[slot])
+        self._valid: dict[int, int] = {}  # slot -> leading tokens whose KV it holds
+        self._hashes: dict[int, list[int]] = {}  # slot -> chained hashes of its full blocks
+        self._index: dict[int, set[int]] = {}  # block hash -> slots holding that block
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -44,37 +53,106 @@ class KVCache:
     def num_used(self) -> int:
         return len(self._used_tokens)
 
-    def allocate(self, prompt: list[int] | None = None, min_reuse: int = 16) -> tuple[int, int]:
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._index)
+
+    def block_refs(self, prompt: list[int]) -> list[int]:
+        """How many slots hold each full block of `prompt`'s prefix (stops at the first missing one)."""
+        refs = []
+        for h in _chain(prompt):
+            slots = self._index.get(h)
+            if not slots:
+                break
+            refs.append(len(slots))
+        return refs
+
+    def allocate(self, prompt: list[int] | None = None, min_reuse: int = BLOCK) -> tuple[int, int]:
         """A slot for a new sequence, and how many leading tokens of `prompt` its KV already holds
-        (0 without a prompt, or when no warm slot shares at least `min_reuse` tokens)."""
-        best, best_len = None, 0
+        (0 without a prompt, or when no slot shares at least `min_reuse` tokens). `prompt` is the
+        sequence's own token list: the cache reads it again as the sequence's KV fills in."""
+        src, shared = self._lookup(prompt) if prompt else (None, 0)
         if prompt:
             self.prefix_queried_tokens += len(prompt)
-            for slot, tokens in self._warm.items():
-                n = _common_prefix(tokens, prompt)
-                if n > best_len:
-                    best, best_len = slot, n
         # At least one prompt token is always computed: its logits give the first output token.
-        reuse = min(best_len, len(prompt) - 1) if prompt else 0
-        if best is not None and reuse >= min_reuse:
-            if best_len >= len(self._warm[best]) or not self._free:
-                # The prompt continues everything the slot holds (a chat's next turn), or there is
-                # no cold slot: take the warm slot over.
-                del self._warm[best]
-                slot = best
-            else:
-                # Only part of it is shared: keep the warm entry for its own continuation and copy
-                # the shared prefix into a cold slot.
-                slot = self._free.pop()
-                self._copy(best, slot, reuse)
-                self._warm.move_to_end(best)
-            self.prefix_hit_tokens += reuse
-        elif self._free:
-            slot, reuse = self._free.pop(), 0
+        reuse = min(shared, len(prompt) - 1) if prompt else 0
+        if src is None or reuse < min_reuse:
+            slot, reuse = (self._free.pop() if self._free else self._evict()), 0
+        elif src in self._warm and (shared >= self._valid[src] or not self._free):
+            # The prompt continues everything the warm slot holds (a chat's next turn), or there is
+            # no cold slot: take it over; what lies past the shared prefix is dropped.
+            del self._warm[src]
+            slot = src
+            self._truncate(slot, reuse)
         else:
-            slot, reuse = self._warm.popitem(last=False)[0], 0  # evict the least recently used
-        self._used_tokens[slot] = reuse
+            # Shared with a running sequence, or with part of a warm slot that stays for its own
+            # continuation: copy the shared prefix into a slot of this sequence's own.
+            slot = self._free.pop() if self._free else self._evict(keep=src)
+            self._copy(src, slot, reuse)
+            if src in self._warm:
+                self._warm.move_to_end(src)
+        if prompt is None:
+            self._tokens.pop(slot, None)
+        else:
+            self._tokens[slot] = prompt
+            self.prefix_hit_tokens += reuse
+        self._used_tokens[slot] = self._valid[slot] = reuse
+        self._register(slot)
         return slot, reuse
+
+    def _lookup(self, prompt: list[int]) -> tuple[int | None, int]:
+        """The slot sharing the longest prefix with `prompt`, and how long it is. Of equal
+        matches, warm slots win (least recently used first: a takeover then evicts the oldest)."""
+        candidates: set[int] = set()
+        depth = 0
+        for h in _chain(prompt):
+            slots = self._index.get(h)
+            if not slots:
+                break
+            candidates, depth = slots, depth + 1
+        if not candidates:
+            return None, 0
+        base = depth * BLOCK
+        order = [s for s in self._warm if s in candidates] + sorted(s for s in candidates if s not in self._warm)
+        best, best_len = None, 0
+        for slot in order:
+            tokens, valid = self._tokens[slot], self._valid[slot]
+            if tokens[:base] != prompt[:base]:  # a hash collision: never reuse someone else's KV
+                continue
+            n = base + _common_prefix(tokens[base:valid], prompt[base:])
+            if n > best_len:
+                best, best_len = slot, n
+        return best, best_len
+
+    def _evict(self, keep: int | None = None) -> int:
+        """The least recently used warm slot (other than `keep`), its blocks forgotten."""
+        slot = next(s for s in self._warm if s != keep)
+        del self._warm[slot]
+        self._truncate(slot, 0)
+        return slot
+
+    def _register(self, slot: int) -> None:
+        """Index the slot's full blocks up to what it holds."""
+        tokens = self._tokens.get(slot)
+        if tokens is None:
+            return
+        hashes = self._hashes.setdefault(slot, [])
+        prev = hashes[-1] if hashes else 0
+        for b in range(len(hashes), self._valid[slot] // BLOCK):
+            prev = hash((prev, *tokens[b * BLOCK : (b + 1) * BLOCK]))
+            hashes.append(prev)
+            self._index.setdefault(prev, set()).add(slot)
+
+    def _truncate(self, slot: int, n: int) -> None:
+        """Forget the slot's blocks past its first n tokens (a block dies with its last reference)."""
+        hashes = self._hashes.get(slot, [])
+        while len(hashes) > n // BLOCK:
+            h = hashes.pop()
+            holders = self._index[h]
+            holders.discard(slot)
+            if not holders:
+                del self._index[h]
+        self._valid[slot] = min(self._valid.get(slot, 0), n)
 
     def _copy(self, src: int, dst: int, n: int) -> None:
         for k, v in self.layers:
@@ -87,8 +165,14 @@ class KVCache:
             return
         del self._used_tokens[slot]
         if tokens:
-            self._warm[slot] = list(tokens)
+            self._tokens[slot] = list(tokens)
+            self._truncate(slot, len(tokens))
+            self._valid[slot] = len(tokens)
+            self._register(slot)
+            self._warm[slot] = None
         else:
+            self._truncate(slot, 0)
+            self._tokens.pop(slot, None)
             self._free.append(slot)
             self._free.sort(reverse=True)
 
@@ -97,12 +181,22 @@ class KVCache:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
     def set_length(self, slot: int, n: int) -> None:
-        self._used_tokens[slot] = n
+        """The slot's sequence now has KV for its first n tokens; full blocks among them become findable."""
+        self._used_tokens[slot] = self._valid[slot] = n
+        self._register(slot)
 
     @property
     def usage(self) -> float:
         """Fraction of token capacity held by live sequences."""
         return sum(self._used_tokens.values()) / (self.num_slots * self.max_len)
+
+
+def _chain(tokens: list[int]):  # type: ignore[no-untyped-def]
+    """The chained hashes of the full blocks of `tokens`, first block first."""
+    prev = 0
+    for b in range(len(tokens) // BLOCK):
+        prev = hash((prev, *tokens[b * BLOCK : (b + 1) * BLOCK]))
+        yield prev
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,162 @@
+"""Speculative decoding: wafer with n-gram speculation vs wafer without it, side by side, single stream.
+
+Two workloads on the default model, greedy, up to 256 new tokens, 2 threads:
+- input-grounded: "rename an identifier in this code and give back the whole code" over three
+  functions of Python's standard library, with the answer's first lines already written (the way
+  editors ask for a rewrite), so the answer copies most of its input;
+- free writing: three open prompts (a story, an essay, a letter), where little can be copied.
+
+Decode tokens/s counts the tokens after the first over the time after the first, summed over the
+prompts of a workload; median of 3 runs. Greedy output with speculation must equal the output without
+it, and the script says whether it did. llama-cpp-python's plain decode on the same prompts is
+printed next to them when it is installed (`make bench` installs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import fnmatch
+import inspect
+import os
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import now, table  # noqa: E402
+from bench.decode import THREADS  # noqa: E402
+
+REWRITES = [
+    (textwrap.TextWrapper._split, "chunks", "pieces"),
+    (fnmatch.translate, "res", "out"),
+    (difflib.SequenceMatcher.find_longest_match, "besti", "best_i"),
+]
+FREE = [
+    "Write a long story about a dragon who learns to cook.",
+    "Write an essay about why people enjoy gardening.",
+    "Write a friendly letter to a friend describing your summer holiday.",
+]
+
+
+def workloads(loaded) -> dict[str, list[list[int]]]:
+    def ids(text: str) -> list[int]:
+        return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(content: str) -> str:
+        return loaded.chat_template.render([{"role": "user", "content": content}], add_generation_prompt=True)
+
+    grounded = []
+    for fn, old, new in REWRITES:
+        src = textwrap.dedent(inspect.getsource(fn))
+        start = "\n".join(src.replace(old, new).splitlines()[:2]) + "\n"
+        ask = f"Rename `{old}` to `{new}` in this code. Reply with the whole updated code.\n```python\n{src}\n```"
+        grounded.append(ids(chat(ask) + "```python\n" + start))
+    return {"input-grounded": grounded, "free writing": [ids(chat(p)) for p in FREE]}
+
+
+def wafer_runner(loaded, spec: str, k: int):
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+    from wafer.engine.speculative import SpeculativeConfig
+
+    engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=4096, prefix_caching=False,
+                                            speculative=SpeculativeConfig.parse(spec, k)))
+
+    def run(ids: list[int], n: int) -> tuple[list[int], float]:
+        seq = engine.add(ids, SamplingParams(max_tokens=n, temperature=0))
+        first = None
+        while not seq.finished:
+            engine.step()
+            if first is None and seq.output_ids:
+                first = now()
+        return seq.output_ids, now() - first  # type: ignore[operator]
+
+    return engine, run
+
+
+def llama_cpp_run():
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from wafer.models.loader import default_model_path
+
+    llm = Llama(str(default_model_path()), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+    eos = llm.token_eos()
+
+    def run(ids: list[int], n: int) -> tuple[list[int], float]:
+        out: list[int] = []
+        first = 0.0
+        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if not out:
+                first = now()
+            if tok == eos:
+                break
+            out.append(tok)
+            if len(out) >= n:
+                break
+        return out, now() - first
+
+    return run
+
+
+def measure(run, prompts: list[list[int]], n: int, repeats: int) -> tuple[float, int, list[list[int]]]:
+    """Decode tokens/s over the workload (median of `repeats`), tokens, and the outputs."""
+    speeds, outputs = [], []
+    for _ in range(repeats):
+        outputs = [run(p, n) for p in prompts]
+        tokens = sum(len(o) - 1 for o, _ in outputs)
+        speeds.append(tokens / sum(t for _, t in outputs))
+    return statistics.median(speeds), sum(len(o) for o, _ in outputs), [o for o, _ in outputs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=256, help="new tokens per prompt at most")
+    ap.add_argument("--k", type=int, default=5, help="speculative tokens per step")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quant", choices=["f32", "int8"], default="f32")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    from wafer.models.loader import load_model
+
+    loaded = load_model(compute=args.quant)
+    loads = workloads(loaded)
+    plain_engine, plain = wafer_runner(loaded, "off", args.k)
+    spec_engine, spec = wafer_runner(loaded, "ngram", args.k)
+    lcpp = llama_cpp_run()
+    plain(loads["free writing"][0], 8)  # warm-up
+    spec(loads["free writing"][0], 8)
+
+    rows = []
+    for name, prompts in loads.items():
+        base, tokens, ref = measure(plain, prompts, args.tokens, args.repeats)
+        before = (spec_engine.stats.spec.drafts, spec_engine.stats.spec.accepted_tokens)
+        fast, _, out = measure(spec, prompts, args.tokens, args.repeats)
+        drafts = spec_engine.stats.spec.drafts - before[0]
+        accepted = spec_engine.stats.spec.accepted_tokens - before[1]
+        same = "yes" if out == ref else "NO"
+        rows.append([name, f"wafer {args.quant}", str(tokens), f"{base:.1f}", "-", "1.00x", "-"])
+        rows.append([name, f"wafer {args.quant} + ngram k={args.k}", str(tokens), f"{fast:.1f}",
+                     f"{1 + accepted / drafts:.2f}" if drafts else "-", f"{fast / base:.2f}x", same])
+        if lcpp is not None:
+            speed, n, _ = measure(lcpp, prompts, args.tokens, args.repeats)
+            rows.append([name, "llama-cpp-python", str(n), f"{speed:.1f}", "-", f"{speed / base:.2f}x", "-"])
+        print(f"  measured {name}", file=sys.stderr)
+    st = spec_engine.stats.spec
+    print(f"Speculative decoding, default model ({args.quant}), single stream, greedy, up to {args.tokens} new "
+          f"tokens per prompt, {THREADS} threads, 3 prompts per workload, median of {args.repeats}")
+    print(table(["workload", "system", "tokens", "decode tok/s", "acceptance length", "vs wafer", "same output"],
+                rows))
+    per_pos = ", ".join(f"{n / st.drafts:.2f}" for n in st.accepted_per_pos) if st.drafts else "-"
+    print(f"acceptance rate by draft position (all workloads): {per_pos}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
 """Prefix caching: a later prompt that starts like an earlier sequence skips that prefill, gives the
-same greedy output as without the cache, warm slots are evicted least recently used, and a running sequence shares its prefix."""
+same greedy output as without the cache, warm slots are evicted least recently used, and a running
+sequence shares its prefix."""
 
 from __future__ import annotations
 

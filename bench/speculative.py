@@ -118,7 +118,7 @@ def measure(run, prompts: list[list[int]], n: int, repeats: int) -> tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per prompt at most")
-    ap.add_argument("--k", type=int, default=5, help="speculative tokens per step")
+    ap.add_argument("--k", type=int, default=8, help="speculative tokens per step (default 8)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quant", choices=["f32", "int8"], default="f32")
     args = ap.parse_args()

@@ -44,3 +44,21 @@ def test_same_text_as_plain_server_and_counters(spec_server, server):
     assert m["wafer:spec_decode_num_draft_tokens_total" + key] == st.draft_tokens
     assert m["wafer:spec_decode_mean_acceptance_length" + key] == pytest.approx(1 + st.accepted_tokens / st.drafts)
     assert m["wafer:spec_decode_num_accepted_tokens_per_pos_total{model_name=" + MODEL + ",position=0}"] > 0
+
+
+def test_bench_reads_the_acceptance_length_from_metrics(spec_server, server):
+    from wafer.benchmark.client import acceptance_length, spec_counters
+
+    before = spec_counters(spec_server.base_url + "/v1")
+    st = spec_server.engine.stats.spec
+    drafts, accepted = st.drafts, st.accepted_tokens
+    client = OpenAI(base_url=spec_server.base_url + "/v1", api_key="x", max_retries=0)
+    client.completions.create(model=MODEL, prompt="one two three four one two three four one two", max_tokens=24,
+                              temperature=0)
+    after = spec_counters(spec_server.base_url + "/v1")
+    assert st.drafts > drafts
+    assert acceptance_length(before, after) == pytest.approx(1 + (st.accepted_tokens - accepted) / (st.drafts - drafts))
+    # A server that does not speculate reports no acceptance length.
+    plain = spec_counters(server.base_url + "/v1")
+    assert acceptance_length(plain, plain) is None
+    assert spec_counters("http://127.0.0.1:9/v1") is None  # nothing listening

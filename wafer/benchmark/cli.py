@@ -16,6 +16,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from wafer.benchmark.client import acceptance_length, spec_counters
 from wafer.benchmark.report import save, terminal_table
 from wafer.benchmark.runner import LoadConfig, run_load
 from wafer.benchmark.stats import FORMULAS, SLO, cell_stats
@@ -92,8 +93,11 @@ def main(args: argparse.Namespace) -> int:
                         warm = LoadConfig(**{**cfg.__dict__, "duration": None, "request_rate": float("inf")})
                         asyncio.run(run_load(warm, prompts[: args.warmup]))
                     label = f"in {in_len or 'dataset'} out {out_len} conc {conc or '-'}"
+                    spec_before = spec_counters(args.base_url, args.api_key)
                     records, duration = asyncio.run(run_load(cfg, prompts[args.warmup:], progress, label))
                     stats = cell_stats(records, duration, tokenizer, slo, price)  # type: ignore[arg-type]
+                    stats["spec_acceptance_length"] = acceptance_length(
+                        spec_before, spec_counters(args.base_url, args.api_key))
                     mean_in = (stats["input_tokens"] / stats["completed"]) if stats["completed"] else None
                     cells.append({"input_len": in_len if in_len is not None else round(mean_in or 0),
                                   "output_len": out_len, "concurrency": conc,

@@ -90,3 +90,39 @@ async def send(client: httpx.AsyncClient, base_url: str, endpoint: str, model: s
         rec.error_type, rec.error = type(e).__name__, str(e)
         rec.end = time.perf_counter()
     return rec
+
+
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens")
+
+
+def spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its Prometheus `/metrics` (wafer's or vLLM's
+    names), summed over models; None when it has none or no /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(root + "/metrics", headers=headers, timeout=10)
+        if r.status_code != 200:
+            return None
+        totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+        found = False
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                name = s.name.split(":", 1)[-1].removesuffix("_total")
+                if name in totals and s.name.endswith("_total"):
+                    totals[name] += s.value
+                    found = True
+        return totals if found else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def acceptance_length(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Mean tokens per verifying step between two readings (1 + accepted / drafts), as vLLM reports it."""
+    if before is None or after is None:
+        return None
+    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    return 1 + accepted / drafts if drafts > 0 else None

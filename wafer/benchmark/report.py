@@ -27,6 +27,8 @@ COLUMNS = [
     ("E2E p50 s", lambda c: _ms(c["e2e_s"]["p50"], 1, 2)),
     ("E2E p99 s", lambda c: _ms(c["e2e_s"]["p99"], 1, 2)),
     ("goodput", lambda c: "-" if c["goodput"] is None else f"{c['goodput']:.2f}"),
+    ("spec accept len", lambda c: "-" if c.get("spec_acceptance_length") is None
+     else f"{c['spec_acceptance_length']:.2f}"),
     ("errors", lambda c: ", ".join(f"{k}: {v}" for k, v in c["errors"].items()) or "0"),
 ]
 

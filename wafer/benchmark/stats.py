@@ -21,6 +21,8 @@ Per cell:
   requests/s = completed / duration;  requests/min = 60 * requests/s
   goodput    = requests meeting every --slo bound / duration
   cost/request = (input_tokens * price_in + output_tokens * price_out) / 1e6;  per 1k requests = 1000x
+  spec accept len = 1 + accepted / drafts over the cell, from the server's /metrics speculative-decoding
+                    counters (wafer: or vllm: names) read before and after it; "-" when it has none
 Token counts come from the server's `usage` (stream_options.include_usage); when it is missing, the
 client tokenizer counts the text (a fallback), and requests where both exist but differ are mismatches."""
 

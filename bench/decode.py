@@ -1,4 +1,4 @@
-"""Single-stream decode speed: wafer vs transformers (and llama-cpp-python when installed).
+"""Single-stream decode speed: wafer (each CPU compute path) vs llama-cpp-python (when installed) vs transformers.
 
 Same GGUF, same chat prompt, greedy, EOS suppressed, 256 new tokens, 2 threads; one warm-up run,
 then the median of 3. Decode tokens/s counts the tokens after the first, over the time after the
@@ -116,7 +116,8 @@ def main() -> None:
     ids = prompt_ids(PROMPT)
     filler = " ".join(["The lighthouse stood on the rocky shore and watched the sea."] * 200)
     long_ids = prompt_ids(filler)[: args.long_prompt - 8] + ids[-8:]
-    systems: dict[str, object] = {"wafer": wafer_run, "wafer --quant int8": wafer_runner(args.tokens, "int8")[1]}
+    systems: dict[str, object] = {"wafer": wafer_run, "wafer --quant int8": wafer_runner(args.tokens, "int8")[1],
+                                  "wafer --quant q4": wafer_runner(args.tokens, "q4")[1]}
     _, hf_run = hf_runner(args.tokens)
     systems["transformers"] = hf_run
     lc = llama_cpp_runner(args.tokens)

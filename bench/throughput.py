@@ -43,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--quant", default="f32,int8")
+    ap.add_argument("--quant", default="f32,int8,q4")
     args = ap.parse_args()
     torch.set_num_threads(2)
     levels = [int(x) for x in args.concurrency.split(",")]

@@ -180,8 +180,9 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _quant_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", choices=["f32", "int8"], default="f32",
-                   help="compute path: f32 (reference) or int8 (int8 weights, about 2x faster decode on CPU)")
+    p.add_argument("--quant", choices=["f32", "int8", "q4"], default="f32",
+                   help="compute path: f32 (reference), int8 (int8 weights per channel, PyTorch's kernel) or q4 "
+                        "(4-bit blocks, wafer's AVX-512 VNNI kernels; int8 where they cannot be built)")
 
 
 def build_parser() -> argparse.ArgumentParser:

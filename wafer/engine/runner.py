@@ -12,6 +12,7 @@ from wafer.models.attention import (
     causal_mask,
     decode_mask,
 )
+from wafer.models.fused_decode import MAX_ROWS, FusedDecode
 from wafer.models.llama import LlamaModel
 
 
@@ -20,6 +21,8 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.window = model.config.sliding_window
+        # One C++ call per decode step where the compute path allows it (q4 with wafer's kernels).
+        self.fused = FusedDecode.build(model)
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits in the order of `scheduled` filtered to those that sample: one row per such item,
@@ -27,6 +30,8 @@ class ModelRunner:
         batch order). Single-token items go first so they attend together."""
         singles = [s for s in scheduled if s.count == 1]
         chunks = [s for s in scheduled if s.count > 1]
+        if self.fused is not None and not chunks and not all_logits and len(singles) <= MAX_ROWS:
+            return self._run_fused(singles)
         order = singles + chunks
         ids: list[int] = []
         positions: list[int] = []
@@ -71,3 +76,14 @@ class ModelRunner:
             self.kv.layers,
             logits_rows,
         )
+
+    def _run_fused(self, singles: list[ScheduledSeq]) -> torch.Tensor:
+        ids = [item.input_ids()[0] for item in singles]
+        logits = self.fused(  # type: ignore[misc]
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor([item.start for item in singles], dtype=torch.long),
+            torch.tensor([item.seq.slot for item in singles], dtype=torch.long),
+            self.kv.layers,
+        )
+        rows = [i for i, item in enumerate(singles) if item.samples]
+        return logits if len(rows) == len(singles) else logits[rows]

@@ -219,7 +219,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (a path, or None for the bundled default) for a compute path (quant.py).
     Raises ModelLoadError."""
-    from wafer.models.quant import PATHS, apply_compute_path
+    from wafer.models.quant import PATHS, apply_compute_path, resolve
 
     if compute not in PATHS:
         raise ModelLoadError(f"unknown compute path {compute!r} (choose from {', '.join(PATHS)})")
@@ -236,5 +236,5 @@ def load_model(
         else:
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")
     loaded.model = apply_compute_path(loaded.model, compute)  # type: ignore[assignment]
-    loaded.compute = compute
+    loaded.compute = resolve(compute)
     return loaded

@@ -7,6 +7,10 @@ activations, reading a quarter of the bytes; larger batches (prefill) stay on fl
 CPU's GEMM is faster. Measured here: about 1.4x the decode speed of f32 for a perplexity cost under
 1% (bench/quality.py). fbgemm's dynamic int8 (activations quantised per tensor) was tried first and
 rejected: 3.6x the perplexity on the default model.
+`q4`: the blocks' linear layers in 4-bit blocks (llama.cpp's Q4_1) and the output head in 8-bit blocks
+(Q8_0), run for decode by wafer's own AVX-512 VNNI kernels (blockquant.py); from a Q4_1 GGUF these
+are the file's own weights. Prefill (32 rows or more) stays on float32. Where the kernels cannot
+be built it falls back to `int8`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PATHS = ("f32", "int8")
+PATHS = ("f32", "int8", "q4")
 
 
 class Int8Linear(nn.Module):
@@ -36,11 +40,61 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class BlockLinear(nn.Module):
+    """A linear layer whose decode batches run wafer's block-quantised kernels (4 or 8 bits)."""
+
+    def __init__(self, linear: nn.Linear, bits: int, dense_from_rows: int = 32) -> None:
+        super().__init__()
+        from wafer.models import blockquant as bq
+
+        self.kernels = bq.kernels()
+        self.weight = linear.weight  # float32, shared (e.g. with tied embeddings), for large batches
+        self.bias = linear.bias
+        self.bits = bits
+        self.dense_from_rows = dense_from_rows
+        w = linear.weight.detach()
+        if bits == 4:
+            qs, d, m = bq.quantize_q4(w)
+            self.register_buffer("mins", m)
+        else:
+            qs, d = bq.quantize_q8(w)
+            self.mins = None
+        self.register_buffer("codes", qs)
+        self.register_buffer("scales", d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.dense_from_rows:
+            return F.linear(x, self.weight, self.bias)
+        x = x.contiguous()
+        if self.bits == 4:
+            y = self.kernels.q4_linear(x, self.codes, self.scales, self.mins)
+        else:
+            y = self.kernels.q8_linear(x, self.codes, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def resolve(path: str) -> str:
+    """The path that will really run: q4 needs wafer's kernels, and falls back to int8 without them."""
+    if path == "q4":
+        from wafer.models.blockquant import kernels
+
+        return "q4" if kernels() is not None else "int8"
+    return path
+
+
 def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
+    if path not in PATHS:
+        raise ValueError(f"unknown compute path {path!r} (choose from {', '.join(PATHS)})")
+    path = resolve(path)
     if path == "f32":
         return model
-    if path != "int8":
-        raise ValueError(f"unknown compute path {path!r} (choose from {', '.join(PATHS)})")
+    if path == "q4":
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+                    # The head reads 8-bit blocks: its output is float32, unlike PyTorch's int8 kernel.
+                    setattr(module, name, BlockLinear(child, 8 if name == "lm_head" else 4))
+        return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             # The output head stays float32: the int8 kernel's bfloat16 output would round logits
@@ -52,4 +106,6 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
 
 def describe(path: str) -> str:
     return {"f32": "float32 (dense, dequantised at load)",
-            "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill"}[path]
+            "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill",
+            "q4": "4-bit blocks (Q4_1) for the layers, 8-bit blocks (Q8_0) for the head, int8 activations, "
+                  "wafer's AVX-512 VNNI kernels for decode; float32 for prefill"}[path]

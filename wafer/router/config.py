@@ -37,6 +37,7 @@ from typing import Any
 import tomllib
 
 from wafer.engine.speculative import SpeculativeConfig
+from wafer.models.quant import PATHS
 from wafer.errors import WaferError
 
 TIERS = ("sol", "terra", "luna")
@@ -163,8 +164,8 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "f32",
         unknown = set(m) - {"path", *MODEL_SETTINGS, *ENGINE_OPTIONS}
         if unknown:
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
-        if m.get("quant", quant) not in ("f32", "int8"):
-            raise ConfigError(f"model {name!r}: quant must be f32 or int8")
+        if m.get("quant", quant) not in PATHS:
+            raise ConfigError(f"model {name!r}: quant must be one of {', '.join(PATHS)}")
         own = {**(settings or {}), **{k: m[k] for k in MODEL_SETTINGS if k in m and k != "quant"}}
         models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts, m.get("quant", quant),
                                         **own)

@@ -1,0 +1,69 @@
+"""wafer's block-quantised kernels: the file's own Q4_1/Q8_0 codes come back from its dequantised
+weights, and the AVX-512 VNNI kernels equal the same arithmetic done by PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from wafer.models import blockquant as bq
+from wafer.models.loader import default_model_path
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors():
+    reader = GGUFReader(str(default_model_path()))
+    return {t.name: t for t in reader.tensors}
+
+
+def test_requantising_the_gguf_gives_back_its_codes(gguf_tensors):
+    t = gguf_tensors["blk.3.ffn_down.weight"]
+    assert t.tensor_type == GGMLQuantizationType.Q4_1
+    w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).float()
+    qs, d, m = bq.quantize_q4(w)
+    assert torch.equal(bq.dequantize_q4(qs, d, m), w) or (bq.dequantize_q4(qs, d, m) - w).abs().max() < 1e-6
+    # The codes are the file's: block j's nibbles as stored (2 f16 scales, then 16 bytes).
+    raw = np.array(t.data).reshape(w.shape[0], -1, 20)[..., 4:]
+    assert np.array_equal(qs.numpy().reshape(raw.shape), raw)
+
+    e = gguf_tensors["token_embd.weight"]
+    assert e.tensor_type == GGMLQuantizationType.Q8_0
+    w8 = torch.from_numpy(np.array(dequantize(e.data, e.tensor_type))).float()[:4096]
+    q8, d8 = bq.quantize_q8(w8)
+    raw8 = np.array(e.data)[:4096].reshape(4096, -1, 34)[..., 2:].view(np.int8)
+    assert np.array_equal(q8.numpy().reshape(raw8.shape), raw8)
+    assert (bq.dequantize_q8(q8, d8) - w8).abs().max() < 1e-6
+
+
+@pytest.mark.skipif(bq.kernels() is None, reason="no AVX-512 VNNI or no compiler: the stock path runs instead")
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_kernels_equal_the_same_arithmetic_in_torch(rows):
+    torch.manual_seed(rows)
+    k = bq.kernels()
+    w = torch.randn(200, 96 * 4) * 0.05
+    x = torch.randn(rows, 96 * 4) * 3
+    xq = bq.quantize_activations(x)
+    qs, d, m = bq.quantize_q4(w)
+    ref4 = xq @ bq.dequantize_q4(qs, d, m).T
+    assert (k.q4_linear(x, qs, d, m) - ref4).abs().max() < 1e-4 * ref4.abs().max()
+    q8, d8 = bq.quantize_q8(w)
+    ref8 = xq @ bq.dequantize_q8(q8, d8).T
+    assert (k.q8_linear(x, q8, d8) - ref8).abs().max() < 1e-4 * ref8.abs().max()
+    # And close to the float product they stand for: 4 bits of Gaussian weights leave about 8% of
+    # the output's norm as error, 8 bits well under 1%.
+    exact = x @ w.T
+    assert torch.linalg.norm(k.q4_linear(x, qs, d, m) - exact) < 0.12 * torch.linalg.norm(exact)
+    assert torch.linalg.norm(k.q8_linear(x, q8, d8) - exact) < 0.01 * torch.linalg.norm(exact)
+
+
+@pytest.mark.skipif(bq.kernels() is None, reason="no AVX-512 VNNI or no compiler")
+def test_bad_shapes_are_refused():
+    k = bq.kernels()
+    qs, d, m = bq.quantize_q4(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        k.q4_linear(torch.randn(1, 40), qs, d, m)
+    with pytest.raises(RuntimeError):
+        k.q4_linear(torch.randn(1, 64).double(), qs, d, m)

@@ -1,0 +1,96 @@
+"""Block-quantised weights and wafer's own CPU kernels for them (csrc/blockquant.cpp).
+
+llama.cpp's block formats, 32 input elements per block: Q4_1 (4-bit codes with a scale and a
+minimum per block) and Q8_0 (8-bit codes with a scale). Quantising a GGUF's Q4_1 or Q8_0 tensor,
+once dequantised, gives back exactly the file's codes (every Q4_1 block holds a 0 and a 15 code,
+every Q8_0 block a +-127), so these paths run the file's own weights. The kernels quantise the
+activations per block to int8 (as llama.cpp does) and use AVX-512 VNNI integer dot products.
+
+The extension is compiled on first use with the machine's g++ (torch.utils.cpp_extension, cached in
+TORCH_EXTENSIONS_DIR) and only on CPUs with AVX-512 VNNI; elsewhere `kernels()` is None and the
+callers keep a stock PyTorch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+QK = 32
+log = logging.getLogger("wafer.kernels")
+_FLAGS = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("blockquant.cpp", "decode.cpp")]
+
+
+def cpu_supports() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    have = set(flags.split(":", 1)[1].split())
+    return all(f in have for f in _FLAGS)
+
+
+@cache
+def kernels() -> ModuleType | None:
+    """The compiled extension, or None (unsupported CPU, no compiler, WAFER_NO_KERNELS=1)."""
+    if os.environ.get("WAFER_NO_KERNELS") or not cpu_supports():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="wafer_blockquant", sources=[str(p) for p in _SOURCES], verbose=False,
+                    extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                                  "-mavx2", "-mfma", "-mf16c"],
+                    extra_ldflags=["-fopenmp"])
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the stock path
+        log.warning("wafer's CPU kernels could not be built (%s); using PyTorch's", e)
+        return None
+
+
+def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> codes [N, K/2] uint8 (element j low nibble of byte j, j+16 high), scale and
+    minimum [N, K/32] float32; w ~ d * q + m with q in 0..15, as llama.cpp quantises Q4_1."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // QK, QK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round((blocks - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(n, k // 2).contiguous(), d.contiguous(), lo.contiguous()
+
+
+def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    n, nb = d.shape
+    packed = qs.reshape(n, nb, 16)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    return (q * d[..., None] + m[..., None]).reshape(n, nb * QK)
+
+
+def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> codes [N, K] int8 and scales [N, K/32] float32, as llama.cpp quantises Q8_0."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // QK, QK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), d.contiguous()
+
+
+def dequantize_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, nb = d.shape
+    return (qs.reshape(n, nb, QK).float() * d[..., None]).reshape(n, nb * QK)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels see of x: each block of 32 rounded to int8 steps of max|x| / 127."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // QK, QK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(m, k)

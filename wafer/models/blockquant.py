@@ -55,37 +55,40 @@ def kernels() -> ModuleType | None:
 
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> codes [N, K/2] uint8 (element j low nibble of byte j, j+16 high), scale and
-    minimum [N, K/32] float32; w ~ d * q + m with q in 0..15, as llama.cpp quantises Q4_1."""
+    minimum [N, K/32] float16 (as stored in GGUF); w ~ d * q + m with q in 0..15, as llama.cpp
+    quantises Q4_1."""
     n, k = w.shape
     blocks = w.float().reshape(n, k // QK, QK)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
-    d = (hi - lo) / 15
+    d16, m16 = ((hi - lo) / 15).half(), lo.half()
+    d, m = d16.float(), m16.float()
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = torch.round((blocks - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    q = torch.round((blocks - m[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(n, k // 2).contiguous(), d.contiguous(), lo.contiguous()
+    return packed.reshape(n, k // 2).contiguous(), d16.contiguous(), m16.contiguous()
 
 
 def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     n, nb = d.shape
     packed = qs.reshape(n, nb, 16)
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-    return (q * d[..., None] + m[..., None]).reshape(n, nb * QK)
+    return (q * d.float()[..., None] + m.float()[..., None]).reshape(n, nb * QK)
 
 
 def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> codes [N, K] int8 and scales [N, K/32] float32, as llama.cpp quantises Q8_0."""
+    """[N, K] float -> codes [N, K] int8 and scales [N, K/32] float16, as llama.cpp quantises Q8_0."""
     n, k = w.shape
     blocks = w.float().reshape(n, k // QK, QK)
-    d = blocks.abs().amax(-1) / 127
+    d16 = (blocks.abs().amax(-1) / 127).half()
+    d = d16.float()
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
-    return q.reshape(n, k).contiguous(), d.contiguous()
+    return q.reshape(n, k).contiguous(), d16.contiguous()
 
 
 def dequantize_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n, nb = d.shape
-    return (qs.reshape(n, nb, QK).float() * d[..., None]).reshape(n, nb * QK)
+    return (qs.reshape(n, nb, QK).float() * d.float()[..., None]).reshape(n, nb * QK)
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

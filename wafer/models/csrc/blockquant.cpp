@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstring>
 
 namespace {
 
@@ -23,6 +24,20 @@ inline float hsum(__m256 v) {
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
+}
+
+using half_t = uint16_t;  // weight scales are float16, as in the GGUF blocks
+
+inline float h2f(half_t h) { return _cvtsh_ss(h); }
+
+// [a0 * b0 in lanes 0-7, a1 * b1 in lanes 8-15]: the scales of two adjacent blocks, one per dot lane.
+inline __m512 pair_scale(const half_t* a, const float* b) {
+    int32_t two;
+    std::memcpy(&two, a, sizeof(two));
+    const __m128 p = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(two)),
+                                _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(p));
 }
 
 // x [M, K] float -> qx [M, K] int8, dx [M, K/32] scales, sx [M, K/32] = dx * sum(qx of the block)
@@ -48,24 +63,25 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
 void check(const torch::Tensor& x, const torch::Tensor& scales, int64_t n) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [M, K] float32");
     TORCH_CHECK(x.size(1) % QK == 0, "K must be a multiple of 32");
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == n &&
-                scales.size(1) == x.size(1) / QK, "scales: contiguous [N, K/32] float32");
+    TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.size(0) == n &&
+                scales.size(1) == x.size(1) / QK, "scales: contiguous [N, K/32] float16");
 }
 
 }  // namespace
 
-// y [M, N] = x [M, K] @ W.T for W in q4 blocks: qs [N, K/2] uint8, d and m [N, K/32] float32.
+// y [M, N] = x [M, K] @ W.T for W in q4 blocks: qs [N, K/2] uint8, d and m [N, K/32] float16.
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
     const int64_t N = qs.size(0), M = x.size(0), K = x.size(1), nb = K / QK;
     check(x, d, N);
     TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.size(1) == K / 2, "qs: [N, K/2] uint8");
-    TORCH_CHECK(m.sizes() == d.sizes() && m.is_contiguous() && m.scalar_type() == torch::kFloat32, "m like d");
+    TORCH_CHECK(m.sizes() == d.sizes() && m.is_contiguous() && m.scalar_type() == torch::kHalf, "m like d");
     auto qx = torch::empty({M, K}, torch::kInt8);
     auto dx = torch::empty({M, nb}, torch::kFloat32), sx = torch::empty({M, nb}, torch::kFloat32);
     quantize_rows(x.data_ptr<float>(), M, K, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
     auto y = torch::empty({M, N}, torch::kFloat32);
     const uint8_t* W = qs.data_ptr<uint8_t>();
-    const float *D = d.data_ptr<float>(), *Mn = m.data_ptr<float>();
+    const half_t* D = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
+    const half_t* Mn = reinterpret_cast<const half_t*>(m.data_ptr<at::Half>());
     const int8_t* X = qx.data_ptr<int8_t>();
     const float *DX = dx.data_ptr<float>(), *SX = sx.data_ptr<float>();
     float* Y = y.data_ptr<float>();
@@ -77,7 +93,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torc
                 __m512 acc[MAX_ROWS];
                 for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
                 const uint8_t* wrow = W + n * nb * 16;
-                const float* drow = D + n * nb;
+                const half_t* drow = D + n * nb;
                 int64_t b = 0;
                 // Two blocks per step: 32 bytes of nibbles become 64 codes in x's order.
                 for (; b + 2 <= nb; b += 2) {
@@ -92,9 +108,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torc
                         const int64_t row = r0 + r;
                         const __m512i xv = _mm512_loadu_si512(X + row * K + b * QK);
                         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-                        const __m512 scale = _mm512_insertf32x8(
-                            _mm512_set1_ps(drow[b] * DX[row * nb + b]),
-                            _mm256_set1_ps(drow[b + 1] * DX[row * nb + b + 1]), 1);
+                        const __m512 scale = pair_scale(drow + b, DX + row * nb + b);
                         acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r]);
                     }
                 }
@@ -108,15 +122,15 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torc
                         const int64_t row = r0 + r;
                         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X + row * K + b * QK));
                         const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
-                        tail[r] += drow[b] * DX[row * nb + b] * hsum(_mm256_cvtepi32_ps(dot));
+                        tail[r] += h2f(drow[b]) * DX[row * nb + b] * hsum(_mm256_cvtepi32_ps(dot));
                     }
                 }
                 // The minimums' share: sum over blocks of m * (dx * sum of x's codes).
-                const float* mrow = Mn + n * nb;
+                const half_t* mrow = Mn + n * nb;
                 for (int r = 0; r < rows; ++r) {
                     const float* s = SX + (r0 + r) * nb;
                     float mins = 0.0f;
-                    for (int64_t j = 0; j < nb; ++j) mins += mrow[j] * s[j];
+                    for (int64_t j = 0; j < nb; ++j) mins += h2f(mrow[j]) * s[j];
                     Y[(r0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]) + tail[r] + mins;
                 }
             }
@@ -125,7 +139,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torc
     return y;
 }
 
-// y [M, N] = x [M, K] @ W.T for W in q8 blocks: qs [N, K] int8, d [N, K/32] float32.
+// y [M, N] = x [M, K] @ W.T for W in q8 blocks: qs [N, K] int8, d [N, K/32] float16.
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
     const int64_t N = qs.size(0), M = x.size(0), K = x.size(1), nb = K / QK;
     check(x, d, N);
@@ -135,7 +149,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
     quantize_rows(x.data_ptr<float>(), M, K, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
     auto y = torch::empty({M, N}, torch::kFloat32);
     const int8_t* W = qs.data_ptr<int8_t>();
-    const float* D = d.data_ptr<float>();
+    const half_t* D = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
     const int8_t* X = qx.data_ptr<int8_t>();
     const float* DX = dx.data_ptr<float>();
     float* Y = y.data_ptr<float>();
@@ -159,16 +173,14 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
                         // VNNI multiplies unsigned by signed bytes: move w's sign onto x.
                         const __m512i sx = _mm512_mask_sub_epi8(xv, neg, zero, xv);
                         const __m512i dot = _mm512_dpbusd_epi32(zero, aw, sx);
-                        const __m512 scale = _mm512_insertf32x8(
-                            _mm512_set1_ps(D[n * nb + b] * DX[row * nb + b]),
-                            _mm256_set1_ps(D[n * nb + b + 1] * DX[row * nb + b + 1]), 1);
+                        const __m512 scale = pair_scale(D + n * nb + b, DX + row * nb + b);
                         acc2[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc2[r]);
                     }
                 }
                 for (; b < nb; ++b) {  // an odd last block
                     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + n * K + b * QK));
                     const __m256i aw = _mm256_sign_epi8(w, w);
-                    const float dw = D[n * nb + b];
+                    const float dw = h2f(D[n * nb + b]);
                     for (int r = 0; r < rows; ++r) {
                         const int64_t row = r0 + r;
                         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X + row * K + b * QK));

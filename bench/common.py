@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
 
 PROMPT = "Write a detailed story about a lonely old lighthouse keeper."  # 41 tokens in the chat template
-
-
-def median_of(n: int, fn: Callable[[], float]) -> float:
-    return statistics.median(fn() for _ in range(n))
 
 
 def now() -> float:

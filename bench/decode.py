@@ -1,7 +1,7 @@
 """Single-stream decode speed: wafer (each CPU compute path) vs llama-cpp-python (when installed) vs transformers.
 
 Same GGUF, same chat prompt, greedy, EOS suppressed, 256 new tokens, 2 threads; one warm-up run,
-then the median of 3. Decode tokens/s counts the tokens after the first, over the time after the
+then the median of 5, the repeats taken round-robin over the systems. Decode tokens/s counts the tokens after the first, over the time after the
 first; TTFT is the time to the first token.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import PROMPT, median_of, now, table  # noqa: E402
+from bench.common import PROMPT, now, table  # noqa: E402
 
 THREADS = 2
 
@@ -107,7 +108,7 @@ def _suppress(scores, eos):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--long-prompt", type=int, default=1024, help="tokens in the long-prompt TTFT case")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
@@ -125,13 +126,19 @@ def main() -> None:
     if lc is not None:
         systems["llama-cpp-python"] = lc
 
+    # Repeats go round-robin over the systems, so that a slow spell of this shared machine hits
+    # every system alike instead of whichever ran during it.
+    for run in systems.values():
+        run(ids, 8)  # warm-up
+    decode: dict[str, list[float]] = {name: [] for name in systems}
+    short: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(args.repeats):
+        for name, run in systems.items():
+            decode[name].append(run(ids)[1])
+            short[name].append(run(ids, 1)[0])
     results: dict[str, tuple[float, float, float]] = {}
     for name, run in systems.items():
-        run(ids, 8)  # warm-up
-        decode = median_of(args.repeats, lambda: run(ids)[1])
-        ttft_short = median_of(args.repeats, lambda: run(ids, 1)[0])
-        ttft_long = median_of(1, lambda: run(long_ids, 1)[0])
-        results[name] = (decode, ttft_short, ttft_long)
+        results[name] = (statistics.median(decode[name]), statistics.median(short[name]), run(long_ids, 1)[0])
         print(f"  measured {name}", file=sys.stderr)
 
     print(f"Single-stream decode, default model, {len(ids)}-token chat prompt, greedy, EOS suppressed, "

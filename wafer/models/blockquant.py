@@ -68,6 +68,22 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return packed.reshape(n, k // 2).contiguous(), d16.contiguous(), m16.contiguous()
 
 
+def repack_q4(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF's nibble layout -> the kernel's: each run of four blocks (128 codes) becomes 64 bytes,
+    byte i holding code i (low nibble) and code i + 64 (high), so one 64-byte load and two masks give
+    four blocks' codes; a row's last (fewer than four) blocks keep the GGUF layout."""
+    n, half = qs.shape
+    nb = half // 16
+    groups = nb // 4
+    if groups == 0:
+        return qs.contiguous()
+    blocks = qs.reshape(n, nb, 16)
+    head = blocks[:, : groups * 4].reshape(n, groups, 4, 16)
+    codes = torch.cat([head & 0x0F, head >> 4], dim=-1).reshape(n, groups, 128)  # block-major, in order
+    packed = codes[..., :64] | (codes[..., 64:] << 4)
+    return torch.cat([packed.reshape(n, -1), blocks[:, groups * 4 :].reshape(n, -1)], dim=1).contiguous()
+
+
 def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     n, nb = d.shape
     packed = qs.reshape(n, nb, 16)

@@ -55,6 +55,7 @@ class BlockLinear(nn.Module):
         w = linear.weight.detach()
         if bits == 4:
             qs, d, m = bq.quantize_q4(w)
+            qs = bq.repack_q4(qs) if self.kernels is not None else qs
             self.register_buffer("mins", m)
         else:
             qs, d = bq.quantize_q8(w)

@@ -95,7 +95,29 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torc
                 const uint8_t* wrow = W + n * nb * 16;
                 const half_t* drow = D + n * nb;
                 int64_t b = 0;
-                // Two blocks per step: 32 bytes of nibbles become 64 codes in x's order.
+                // Four blocks per step from a 64-byte group (see repack_q4 in blockquant.py): the low
+                // nibbles are blocks b and b+1, the high nibbles blocks b+2 and b+3, in x's order.
+                const __m512i low4 = _mm512_set1_epi8(0x0F);
+                const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+                const __m512i second = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+                for (; b + 4 <= nb; b += 4) {
+                    const __m512i v = _mm512_loadu_si512(wrow + b * 16);
+                    const __m512i w01 = _mm512_and_si512(v, low4);
+                    const __m512i w23 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    int64_t four;
+                    std::memcpy(&four, drow + b, sizeof(four));
+                    const __m128 dw = _mm_cvtph_ps(_mm_cvtsi64_si128(four));
+                    for (int r = 0; r < rows; ++r) {
+                        const int64_t row = r0 + r;
+                        const int8_t* xb = X + row * K + b * QK;
+                        const __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(DX + row * nb + b)));
+                        const __m512i d01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w01, _mm512_loadu_si512(xb));
+                        const __m512i d23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w23, _mm512_loadu_si512(xb + 64));
+                        acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(first, s4), _mm512_cvtepi32_ps(d01), acc[r]);
+                        acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(second, s4), _mm512_cvtepi32_ps(d23), acc[r]);
+                    }
+                }
+                // The rest (fewer than four blocks) keep GGUF's 16-byte layout.
                 for (; b + 2 <= nb; b += 2) {
                     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + b * 16));
                     const __m256i lo = _mm256_and_si256(packed, low);

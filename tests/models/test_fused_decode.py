@@ -30,7 +30,7 @@ def decode_logits(loaded, prompts: list[list[int]], steps: int) -> list[tuple[to
     for p in prompts:
         seq = Sequence(p, SamplingParams())
         seq.slot, _ = kv.allocate()
-        runner.run([ScheduledSeq(seq, 0, len(p) - 1)])  # the Python path writes the prompt's KV
+        runner.run([ScheduledSeq(seq, 0, len(p) - 1)])  # prefill the prompt (but its last token)
         seq.num_cached = len(p) - 1
         seqs.append(seq)
     out = []

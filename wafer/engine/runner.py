@@ -28,10 +28,10 @@ class ModelRunner:
         """Logits in the order of `scheduled` filtered to those that sample: one row per such item,
         or `rows` rows for an item that asks for more (a draft to verify) (with all_logits: every token, in
         batch order). Single-token items go first so they attend together."""
+        if self.fused is not None and not all_logits and sum(s.count for s in scheduled) <= MAX_ROWS:
+            return self._run_fused(scheduled)
         singles = [s for s in scheduled if s.count == 1]
         chunks = [s for s in scheduled if s.count > 1]
-        if self.fused is not None and not chunks and not all_logits and len(singles) <= MAX_ROWS:
-            return self._run_fused(singles)
         order = singles + chunks
         ids: list[int] = []
         positions: list[int] = []
@@ -77,13 +77,24 @@ class ModelRunner:
             logits_rows,
         )
 
-    def _run_fused(self, singles: list[ScheduledSeq]) -> torch.Tensor:
-        ids = [item.input_ids()[0] for item in singles]
+    def _run_fused(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """A few tokens in one C++ call. Every token is computed on its own (its row's activations,
+        its own attention over its slot up to its position, after all the step's keys are written), so
+        a draft verified here gives bitwise the logits that decoding it token by token would."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        for item in scheduled:
+            ids.extend(item.input_ids())
+            positions.extend(range(item.start, item.start + item.count))
+            slots.extend([item.seq.slot] * item.count)  # type: ignore[list-item]
+            if item.samples:
+                rows.extend(range(len(ids) - item.rows, len(ids)))
         logits = self.fused(  # type: ignore[misc]
             torch.tensor(ids, dtype=torch.long),
-            torch.tensor([item.start for item in singles], dtype=torch.long),
-            torch.tensor([item.seq.slot for item in singles], dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long),
             self.kv.layers,
         )
-        rows = [i for i, item in enumerate(singles) if item.samples]
-        return logits if len(rows) == len(singles) else logits[rows]
+        return logits if len(rows) == len(ids) else logits[rows]

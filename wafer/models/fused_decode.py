@@ -1,9 +1,9 @@
 """A whole decode step in one call of wafer's C++ (csrc/decode.cpp), for the `q4` compute path.
 
 The Python model stays the definition and the reference: this only gathers its weights (the block
-codes of every BlockLinear, the norms, the rotary tables) once, and the runner uses it for steps that
-decode a few sequences one token each. Anything else (prefill, verification of drafts, other compute
-paths, CPUs without the kernels) runs the Python model.
+codes of every BlockLinear, the norms, the rotary tables) once, and the runner uses it for steps of
+at most MAX_ROWS tokens (decode steps, draft verification, short prompt chunks). Anything larger,
+other compute paths and CPUs without the kernels run the Python model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from wafer.models.blockquant import kernels
 from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
 
-MAX_ROWS = 16  # beyond this a batch is cheaper on the Python path's dense float32 kernels
+MAX_ROWS = 32  # as BlockLinear: from 32 rows on, dense float32 matrices are faster than the block kernels
 
 
 def _linear(mod: object, bits: int) -> list[torch.Tensor] | None:
@@ -55,7 +55,7 @@ class FusedDecode:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Logits [M, vocab] for M sequences decoding one token each."""
+        """Logits [M, vocab] for M tokens, each at its own (slot, position)."""
         if self._with_caches is None or self._with_caches[0] != id(caches):
             flat = [t for w, (k, v) in zip(self.weights, caches) for t in (*w, k, v)]
             self._with_caches = (id(caches), flat)

@@ -1,5 +1,6 @@
-// One decode step of a Llama-family model in C++: every layer, for a few sequences at one new
-// token each. At 135M parameters the Python and dispatch cost of ~40 small torch calls per layer
+// One step of a Llama-family model in C++ for a few tokens: every layer, each token at its own
+// (slot, position), whether they are decode steps of different sequences or consecutive tokens of
+// one (a draft to verify, a short prompt chunk): all keys are written before any token attends. At 135M parameters the Python and dispatch cost of ~40 small torch calls per layer
 // is as large as the matrix work; here a step is one call. Matrix products are the block kernels of
 // blockquant.cpp; norms, rotary embedding, the KV-cache write and attention are plain loops.
 // The Python model (llama.py) stays the reference: tests compare the logits of both.
@@ -55,7 +56,7 @@ Linear linear(const std::vector<torch::Tensor>& t, size_t i) {
 
 }  // namespace
 
-// x [M, hidden]: the new tokens' embeddings. positions, slots [M] int64. cos, sin [max_pos, head_dim].
+// x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [max_pos, head_dim].
 // layers: per layer 2 norm weights then 4 linears (qkv, o, gate_up, down) of 4 tensors each, then
 // the layer's K and V caches [slots, kv_heads, max_len, head_dim]: 20 tensors a layer.
 // head: 4 tensors (the output head), norm: final norm weight. Returns logits [M, vocab].

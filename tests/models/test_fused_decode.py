@@ -60,7 +60,8 @@ def test_bundled_model_fused_step_matches_python(smollm):
             assert p[int(f.argmax())] >= p.max() - NATS
 
 
-@pytest.mark.parametrize("arch,kw", [("mistral", {"sliding_window": 8}), ("qwen2", {}), ("llama", {})])
+@pytest.mark.parametrize("arch,kw", [("mistral", {"sliding_window": 8}), ("qwen2", {}), ("llama", {}),
+                                     ("llama", {"hidden_size": 96, "intermediate_size": 192})])  # head size 24
 def test_tiny_models_fused_step_matches_python(tmp_path, arch, kw):
     from tests.tiny import make_hf_model
 

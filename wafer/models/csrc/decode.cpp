@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <immintrin.h>
 #include <vector>
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
@@ -36,6 +37,43 @@ void rope(float* v, const float* c, const float* s, int64_t dim) {
         v[i] = a * c[i] - b * s[i];
         v[i + half] = b * c[i + half] + a * s[i + half];
     }
+}
+
+// q . k over one head; 16 lanes at a time when the head size allows (it is 64 or 128 in practice).
+inline float dot(const float* q, const float* k, int64_t n) {
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t e = 0; e < n; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), _mm512_loadu_ps(k + e), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+    float s = 0.0f;
+    for (int64_t e = 0; e < n; ++e) s += q[e] * k[e];
+    return s;
+}
+
+// o = scale * sum_j p[j] v[j] over `count` value rows of size n
+inline void weighted_sum(const float* p, const float* v, int64_t count, float scale, float* o, int64_t n) {
+    if (n == 64) {  // four registers hold the whole output row
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < count; ++j) {
+            const __m512 w = _mm512_set1_ps(p[j]);
+            const float* r = v + j * 64;
+            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(r), a0);
+            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(r + 16), a1);
+            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(r + 32), a2);
+            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(r + 48), a3);
+        }
+        const __m512 s = _mm512_set1_ps(scale);
+        _mm512_storeu_ps(o, _mm512_mul_ps(a0, s));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(a1, s));
+        _mm512_storeu_ps(o + 32, _mm512_mul_ps(a2, s));
+        _mm512_storeu_ps(o + 48, _mm512_mul_ps(a3, s));
+        return;
+    }
+    for (int64_t e = 0; e < n; ++e) o[e] = 0.0f;
+    for (int64_t j = 0; j < count; ++j)
+        for (int64_t e = 0; e < n; ++e) o[e] += p[j] * v[j * n + e];
+    for (int64_t e = 0; e < n; ++e) o[e] *= scale;
 }
 
 struct Linear {
@@ -113,10 +151,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                 const int64_t end = pos[m] + 1, start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
                 float mx = -INFINITY;
                 for (int64_t j = start; j < end; ++j) {
-                    const float* k = K + j * head_dim;
-                    float dot = 0.0f;
-                    for (int64_t e = 0; e < head_dim; ++e) dot += q[e] * k[e];
-                    p[j] = dot * scale;
+                    p[j] = dot(q, K + j * head_dim, head_dim) * scale;
                     mx = std::max(mx, p[j]);
                 }
                 float sum = 0.0f;
@@ -125,12 +160,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                     sum += p[j];
                 }
                 float* o = A + m * q_dim + hq * head_dim;
-                for (int64_t e = 0; e < head_dim; ++e) o[e] = 0.0f;
-                for (int64_t j = start; j < end; ++j) {
-                    const float w = p[j] / sum;
-                    const float* v = V + j * head_dim;
-                    for (int64_t e = 0; e < head_dim; ++e) o[e] += w * v[e];
-                }
+                weighted_sum(p.data() + start, V + start * head_dim, end - start, 1.0f / sum, o, head_dim);
             }
         });
         h.add_(linear(t, base + 6)(attn));

@@ -51,6 +51,7 @@ bench: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/speculative.py
 	$(BIN)/python bench/prefix_cache.py
+	$(BIN)/python bench/server_decode.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -73,14 +73,21 @@ def hf_runner(n_new: int):
     return tok, run
 
 
-def llama_cpp_runner(n_new: int):
+def load_llama_cpp(n_ctx: int = 2048):
+    """llama-cpp-python on the bundled GGUF with this script's threads, or None when not installed."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
     from wafer.models.loader import default_model_path
 
-    llm = Llama(str(default_model_path()), n_ctx=2048, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+    return Llama(str(default_model_path()), n_ctx=n_ctx, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+
+
+def llama_cpp_runner(n_new: int):
+    llm = load_llama_cpp()
+    if llm is None:
+        return None
     eos = llm.token_eos()
 
     def run(ids: list[int], n: int = n_new) -> tuple[float, float]:

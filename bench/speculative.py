@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import now, table  # noqa: E402
-from bench.decode import THREADS  # noqa: E402
+from bench.decode import THREADS, load_llama_cpp  # noqa: E402
 
 REWRITES = [
     (textwrap.TextWrapper._split, "chunks", "pieces"),
@@ -80,13 +80,9 @@ def wafer_runner(loaded, spec: str, k: int):
 
 
 def llama_cpp_run():
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    llm = load_llama_cpp(n_ctx=4096)
+    if llm is None:
         return None
-    from wafer.models.loader import default_model_path
-
-    llm = Llama(str(default_model_path()), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
     eos = llm.token_eos()
 
     def run(ids: list[int], n: int) -> tuple[list[int], float]:

@@ -203,14 +203,11 @@ class LLMEngine:
             proposed = draft[i] if i < len(draft) else None
             if fast:
                 token = argmax[i]
-            elif p.greedy:
-                token = int(self.sampler.processed(rows[i], seq).argmax())
-            elif proposed is None:
-                dist = self.sampler.processed(rows[i], seq)
-                token = int(torch.multinomial(dist, 1, generator=self.sampler.generator_for(seq)))
+            elif p.greedy or proposed is None:  # greedy keeps a draft only if it is the argmax anyway
+                token = self.sampler.sample_row(rows[i], seq)
             else:
-                dist = self.sampler.processed(rows[i], seq)
-                token, _ = rejection_sample(dist, proposed, q[i] if q is not None else None,  # type: ignore[index]
+                token, _ = rejection_sample(self.sampler.processed(rows[i], seq), proposed,
+                                            q[i] if q is not None else None,  # type: ignore[index]
                                             self.sampler.generator_for(seq))
             # KV holds the sequence's last token and the draft tokens accepted so far.
             seq.num_cached = start_len + i

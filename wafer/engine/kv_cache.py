@@ -139,7 +139,7 @@ class KVCache:
         hashes = self._hashes.setdefault(slot, [])
         prev = hashes[-1] if hashes else 0
         for b in range(len(hashes), self._valid[slot] // BLOCK):
-            prev = hash((prev, *tokens[b * BLOCK : (b + 1) * BLOCK]))
+            prev = _block_hash(prev, tokens, b)
             hashes.append(prev)
             self._index.setdefault(prev, set()).add(slot)
 
@@ -195,8 +195,13 @@ def _chain(tokens: list[int]):  # type: ignore[no-untyped-def]
     """The chained hashes of the full blocks of `tokens`, first block first."""
     prev = 0
     for b in range(len(tokens) // BLOCK):
-        prev = hash((prev, *tokens[b * BLOCK : (b + 1) * BLOCK]))
+        prev = _block_hash(prev, tokens, b)
         yield prev
+
+
+def _block_hash(prev: int, tokens: list[int], b: int) -> int:
+    """Block b's hash, chained on the hash of the blocks before it."""
+    return hash((prev, *tokens[b * BLOCK : (b + 1) * BLOCK]))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -22,7 +22,7 @@ class ModelRunner:
         self.kv = kv
         self.window = model.config.sliding_window
         # One C++ call per decode step where the compute path allows it (q4 with wafer's kernels).
-        self.fused = FusedDecode.build(model)
+        self.fused = FusedDecode.build(model, kv.layers)
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits in the order of `scheduled` filtered to those that sample: one row per such item,
@@ -95,6 +95,5 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long),
-            self.kv.layers,
         )
         return logits if len(rows) == len(ids) else logits[rows]

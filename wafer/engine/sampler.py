@@ -61,7 +61,7 @@ class Sampler:
         else:
             chosen = []
             for i, seq in enumerate(seqs):
-                chosen.append(self._sample_row(logits[i], seq))
+                chosen.append(self.sample_row(logits[i], seq))
         lps: list[TokenLogprob | None] = []
         for i, seq in enumerate(seqs):
             k = seq.params.logprobs
@@ -77,7 +77,7 @@ class Sampler:
             return row
         return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
 
-    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+    def sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         dist = self.processed(row, seq)
         if seq.params.greedy:
             return int(dist.argmax())

@@ -148,7 +148,6 @@ class ServerMetrics:
             "running": sum(e.num_running for e in engines),
             "waiting": sum(e.num_waiting for e in engines),
             "kv_cache_usage": max((e.engine.kv.usage for e in engines), default=0.0),
-            "spec_acceptance_length": max((e.engine.stats.spec.mean_acceptance_length for e in engines), default=0.0),
             "ttft_p50": _percentile(ttfts, 0.5),
             "ttft_p95": _percentile(ttfts, 0.95),
             "e2e_p50": _percentile(e2es, 0.5),

@@ -67,6 +67,18 @@ void check(const torch::Tensor& x, const torch::Tensor& scales, int64_t n) {
                 scales.size(1) == x.size(1) / QK, "scales: contiguous [N, K/32] float16");
 }
 
+// x quantised per block, as both kernels read it.
+struct QuantizedRows {
+    torch::Tensor q, d, s;  // [M, K] int8, [M, K/32] scales, [M, K/32] scale * sum of codes
+    explicit QuantizedRows(const torch::Tensor& x)
+        : q(torch::empty({x.size(0), x.size(1)}, torch::kInt8)),
+          d(torch::empty({x.size(0), x.size(1) / QK}, torch::kFloat32)),
+          s(torch::empty({x.size(0), x.size(1) / QK}, torch::kFloat32)) {
+        quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                      s.data_ptr<float>());
+    }
+};
+
 }  // namespace
 
 // y [M, N] = x [M, K] @ W.T for W in q4 blocks: qs [N, K/2] uint8, d and m [N, K/32] float16.
@@ -75,15 +87,13 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torc
     check(x, d, N);
     TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.size(1) == K / 2, "qs: [N, K/2] uint8");
     TORCH_CHECK(m.sizes() == d.sizes() && m.is_contiguous() && m.scalar_type() == torch::kHalf, "m like d");
-    auto qx = torch::empty({M, K}, torch::kInt8);
-    auto dx = torch::empty({M, nb}, torch::kFloat32), sx = torch::empty({M, nb}, torch::kFloat32);
-    quantize_rows(x.data_ptr<float>(), M, K, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
+    const QuantizedRows qx(x);
     auto y = torch::empty({M, N}, torch::kFloat32);
     const uint8_t* W = qs.data_ptr<uint8_t>();
     const half_t* D = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
     const half_t* Mn = reinterpret_cast<const half_t*>(m.data_ptr<at::Half>());
-    const int8_t* X = qx.data_ptr<int8_t>();
-    const float *DX = dx.data_ptr<float>(), *SX = sx.data_ptr<float>();
+    const int8_t* X = qx.q.data_ptr<int8_t>();
+    const float *DX = qx.d.data_ptr<float>(), *SX = qx.s.data_ptr<float>();
     float* Y = y.data_ptr<float>();
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
@@ -166,14 +176,12 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
     const int64_t N = qs.size(0), M = x.size(0), K = x.size(1), nb = K / QK;
     check(x, d, N);
     TORCH_CHECK(qs.scalar_type() == torch::kInt8 && qs.is_contiguous() && qs.size(1) == K, "qs: [N, K] int8");
-    auto qx = torch::empty({M, K}, torch::kInt8);
-    auto dx = torch::empty({M, nb}, torch::kFloat32), sx = torch::empty({M, nb}, torch::kFloat32);
-    quantize_rows(x.data_ptr<float>(), M, K, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
+    const QuantizedRows qx(x);
     auto y = torch::empty({M, N}, torch::kFloat32);
     const int8_t* W = qs.data_ptr<int8_t>();
     const half_t* D = reinterpret_cast<const half_t*>(d.data_ptr<at::Half>());
-    const int8_t* X = qx.data_ptr<int8_t>();
-    const float* DX = dx.data_ptr<float>();
+    const int8_t* X = qx.q.data_ptr<int8_t>();
+    const float* DX = qx.d.data_ptr<float>();
     float* Y = y.data_ptr<float>();
     for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
         const int64_t rows = std::min<int64_t>(MAX_ROWS, M - r0);

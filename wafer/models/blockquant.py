@@ -68,20 +68,40 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return packed.reshape(n, k // 2).contiguous(), d16.contiguous(), m16.contiguous()
 
 
-def repack_q4(qs: torch.Tensor) -> torch.Tensor:
-    """GGUF's nibble layout -> the kernel's: each run of four blocks (128 codes) becomes 64 bytes,
-    byte i holding code i (low nibble) and code i + 64 (high), so one 64-byte load and two masks give
-    four blocks' codes; a row's last (fewer than four) blocks keep the GGUF layout."""
+def pack_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """quantize_q4's output -> the kernel's records (see pack_blocks)."""
     n, half = qs.shape
-    nb = half // 16
-    groups = nb // 4
-    if groups == 0:
-        return qs.contiguous()
-    blocks = qs.reshape(n, nb, 16)
-    head = blocks[:, : groups * 4].reshape(n, groups, 4, 16)
-    codes = torch.cat([head & 0x0F, head >> 4], dim=-1).reshape(n, groups, 128)  # block-major, in order
-    packed = codes[..., :64] | (codes[..., 64:] << 4)
-    return torch.cat([packed.reshape(n, -1), blocks[:, groups * 4 :].reshape(n, -1)], dim=1).contiguous()
+    blocks = qs.reshape(n, half // 16, 16)
+    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n, half * 2)
+    return pack_blocks(codes, d, m, 4)
+
+
+def pack_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """quantize_q8's output -> the kernel's records: codes made unsigned (q + 128) with m = -128 d,
+    exact in float16, so that one kernel serves both formats."""
+    codes = (qs.to(torch.int16) + 128).to(torch.uint8)
+    return pack_blocks(codes, d, (d.float() * -128).half(), 8)
+
+
+def pack_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] uint8 with scales and minimums [N, K/32] float16 -> uint8 [ceil(N/16), K/32,
+    record]: output channels in groups of 16 (the last padded with zeros) and for each group and
+    block of 32 inputs one record: the codes such that each 64 bytes hold four consecutive inputs
+    of the 16 channels (4 bits: 32 bytes' low nibbles and the next 32's high ones), then d[16] and
+    m[16]. csrc/blockquant.cpp reads it."""
+    n, k = codes.shape
+    nb, groups = k // QK, -(-n // 16)
+    pad = groups * 16 - n
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        d, m = (torch.cat([t, t.new_zeros(pad, nb)]) for t in (d, m))
+    if bits == 4:  # k = 8 i + 4 h + t; byte (i, c, t) = code (h=0) | code (h=1) << 4
+        c = codes.reshape(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        body = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(groups, nb, 256)
+    else:  # k = 4 j + t; byte (j, c, t)
+        body = codes.reshape(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
+    scales = [t.reshape(groups, 16, nb).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (d, m)]
+    return torch.cat([body, *scales], dim=-1).contiguous()
 
 
 def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -14,25 +14,25 @@ from wafer.models.blockquant import kernels
 from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
 
-MAX_ROWS = 32  # as BlockLinear: from 32 rows on, dense float32 matrices are faster than the block kernels
+# Past this many tokens a step is a prompt chunk, whose causal attention is faster in PyTorch's SDPA
+# than in the fused step's per-token loops.
+MAX_ROWS = 64
 
 
 def _linear(mod: object, bits: int) -> list[torch.Tensor] | None:
     if not isinstance(mod, BlockLinear) or mod.bits != bits:
         return None
-    empty = torch.empty(0)
-    return [mod.codes, mod.scales, mod.mins if mod.mins is not None else empty,
-            mod.bias.detach() if mod.bias is not None else empty]
+    return [mod.packed, mod.bias.detach() if mod.bias is not None else torch.empty(0)]
 
 
 class FusedDecode:
-    def __init__(self, model: LlamaModel, ext, layers: list[torch.Tensor], head: list[torch.Tensor]) -> None:
+    def __init__(self, model: LlamaModel, ext, tensors: list[torch.Tensor], out_features: list[int]) -> None:
         self.model = model
         self.ext = ext
-        self.layers = layers  # per layer: its weights, then its K and V caches
-        self.head = head
+        self.tensors = tensors  # per layer: its weights, then its K and V caches; then the head
+        self.out_features = out_features
         cfg = model.config
-        self.args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(cfg.rms_norm_eps), cfg.sliding_window or 0)
+        self.args = (float(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window or 0)
 
     @classmethod
     def build(cls, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
@@ -43,19 +43,21 @@ class FusedDecode:
             return None
         head = _linear(model.lm_head, 8)
         flat: list[torch.Tensor] = []
+        out_features: list[int] = []
         for layer, (k_cache, v_cache) in zip(model.layers, caches):
-            parts = [_linear(layer.self_attn.qkv_proj, 4), _linear(layer.self_attn.o_proj, 4),
-                     _linear(layer.mlp.gate_up_proj, 4), _linear(layer.mlp.down_proj, 4)]
+            mods = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            parts = [_linear(mod, 4) for mod in mods]
             if head is None or any(p is None for p in parts):
                 return None
             flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                      *[t for p in parts for t in p], k_cache, v_cache]  # type: ignore[union-attr]
-        return cls(model, ext, flat, head)
+            out_features += [mod.out_features for mod in mods]
+        return cls(model, ext, flat + head, out_features + [model.lm_head.out_features])
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Logits [M, vocab] for M tokens, each at its own (slot, position)."""
         rotary = self.model.rotary
         x = self.model.embed_tokens(input_ids)
-        return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, self.layers,
-                                    self.model.norm.weight.detach(), self.head, *self.args)
+        return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, self.tensors, self.out_features,
+                                    self.model.norm.weight.detach(), *self.args)

@@ -13,7 +13,7 @@ import torch
 from wafer.engine.constraints import Constraints, mask_logits
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
-from wafer.engine.sampler import Sampler, token_logprob
+from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import ScheduledSeq, Scheduler
 from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput, Status
 from wafer.engine.speculative import (
@@ -196,7 +196,7 @@ class LLMEngine:
         q = item.draft_probs
         raw_lp = torch.log_softmax(rows, dim=-1) if p.logprobs is not None else None
         fast = p.greedy and not p.needs_processing
-        argmax = rows.argmax(dim=-1).tolist() if fast else []
+        argmax = best(rows).tolist() if fast else []
         outs: list[SequenceOutput] = []
         accepted = 0
         for i in range(len(draft) + 1):

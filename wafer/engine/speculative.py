@@ -16,7 +16,7 @@ import torch
 
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
-from wafer.engine.sampler import filter_logits
+from wafer.engine.sampler import best, filter_logits
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import Sequence
 from wafer.models.llama import LlamaModel
@@ -156,7 +156,7 @@ class DraftModelProposer:
                 seq = seqs[i]
                 p = seq.params
                 if p.greedy:
-                    drafts[i].append(int(logits[row].argmax()))
+                    drafts[i].append(int(best(logits[row])))
                     continue
                 q = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
                 drafts[i].append(int(torch.multinomial(q, 1, generator=seq.generator or self.generator)))

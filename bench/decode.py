@@ -3,6 +3,8 @@
 Same GGUF, same chat prompt, greedy, EOS suppressed, 256 new tokens, 2 threads; one warm-up run,
 then the median of 5, the repeats taken round-robin over the systems. Decode tokens/s counts the tokens after the first, over the time after the
 first; TTFT is the time to the first token.
+
+`--device cuda`: a Llama-3.1-8B-shaped model with random weights on the GPU instead (cuda_decode.py).
 """
 
 from __future__ import annotations
@@ -117,7 +119,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--long-prompt", type=int, default=1024, help="tokens in the long-prompt TTFT case")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: a random Llama-3.1-8B-shaped model on the GPU, eager vs CUDA graphs")
+    ap.add_argument("--shape", choices=["llama-3.1-8b", "tiny"], default=None,
+                    help="model shape of the random-weights run (default llama-3.1-8b; tiny checks the script)")
     args = ap.parse_args()
+    if args.device == "cuda" or args.shape:
+        from bench.cuda_decode import main as cuda_main
+
+        args.shape = args.shape or "llama-3.1-8b"
+        return cuda_main(args)
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 

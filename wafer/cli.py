@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 
 
-def load_with_progress(model: str | None, quiet: bool = False, compute: str = "f32") -> "LoadedModel":
-    """Load a model, with a progress bar on stderr."""
+def load_with_progress(model: str | None, quiet: bool = False, compute: str = "auto",
+                       device: str = "auto") -> "LoadedModel":
+    """Load a model, with a progress bar on stderr. Device `auto`: CUDA where there is a GPU."""
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,7 +31,10 @@ def load_with_progress(model: str | None, quiet: bool = False, compute: str = "f
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
                   TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task(f"loading {model or 'default model'}", total=None)
-        loaded = load_model(model, progress=lambda i, n: bar.update(task, completed=i, total=n), compute=compute)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_model(model, progress=lambda i, n: bar.update(task, completed=i, total=n), compute=compute,
+                            device=device)
     if not quiet:
         console.print(f"[dim]loaded {loaded.name} ({loaded.config.arch}, {loaded.num_parameters / 1e6:.0f}M parameters)[/]")
     return loaded
@@ -71,7 +75,7 @@ def stream(engine: "LLMEngine", prompt_ids: list[int], params: "SamplingParams")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    loaded = load_with_progress(args.model, args.quiet, args.quant)
+    loaded = load_with_progress(args.model, args.quiet, args.quant, args.device)
     engine = make_engine(loaded, args)
     tok = loaded.tokenizer
     if args.chat:
@@ -89,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    loaded = load_with_progress(args.model, args.quiet, args.quant)
+    loaded = load_with_progress(args.model, args.quiet, args.quant, args.device)
     engine = make_engine(loaded, args)
     tok = loaded.tokenizer
     history: list[dict[str, str]] = []
@@ -130,7 +134,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     path = resolve_path(args.model)
     from wafer.models.quant import describe
 
-    loaded = load_with_progress(args.model, quiet=True, compute=args.quant)
+    loaded = load_with_progress(args.model, quiet=True, compute=args.quant, device=args.device)
     c = loaded.config
     rows = [
         ("model", loaded.name),
@@ -138,6 +142,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("architecture", c.arch),
         ("parameters", f"{loaded.num_parameters:,}"),
         ("file weights", c.quantization),
+        ("device", str(loaded.model.embed_tokens.weight.device)),
         ("compute path", f"{loaded.compute}: {describe(loaded.compute)}"),
         ("layers", str(c.num_layers)),
         ("hidden size", str(c.hidden_size)),
@@ -180,9 +185,15 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _quant_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", choices=["f32", "int8", "q4"], default="f32",
-                   help="compute path: f32 (reference), int8 (int8 weights per channel, PyTorch's kernel) or q4 "
-                        "(4-bit blocks, wafer's AVX-512 VNNI kernels; int8 where they cannot be built)")
+    from wafer.models.quant import PATHS
+
+    p.add_argument("--quant", choices=PATHS, default="auto",
+                   help="compute path (default auto: the file's own weights on the CPU, q4 for the bundled model; "
+                        "bf16 on CUDA): f32 (reference), bf16 (CUDA), int8 (int8 weights per channel, PyTorch's "
+                        "kernel), q8 or q4 (8- or 4-bit blocks, wafer's AVX-512 VNNI kernels; int8 where they "
+                        "cannot be built)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the model runs (default auto: cuda when a GPU is visible)")
 
 
 def build_parser() -> argparse.ArgumentParser:

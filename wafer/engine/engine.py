@@ -57,7 +57,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         ctx = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or ctx, ctx)
-        self.kv = KVCache(loaded.config, self.config.max_running, self.max_model_len)
+        self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len)
         self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
                                    self.config.prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv)

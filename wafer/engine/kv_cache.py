@@ -26,11 +26,13 @@ BLOCK = 16  # tokens per hashed block
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         # Zeros, not empty: masked positions still enter the attention product, and NaN * 0 is NaN.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
         ]
         self.num_slots = num_slots
         self.max_len = max_len
@@ -43,6 +45,12 @@ class KVCache:
         self._index: dict[int, set[int]] = {}  # block hash -> slots holding that block
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int) -> KVCache:
+        """A cache in the model's activation dtype, on its device."""
+        emb = model.embed_tokens.weight  # type: ignore[union-attr]
+        return cls(model.config, num_slots, max_len, emb.dtype, emb.device)  # type: ignore[arg-type]
 
     @property
     def num_free(self) -> int:

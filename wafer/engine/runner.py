@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from wafer.engine.cuda_graph import GraphedDecode
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.models.attention import (
@@ -17,12 +18,16 @@ from wafer.models.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCache, cuda_graphs: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.window = model.config.sliding_window
+        self.device = kv.layers[0][0].device
         # One C++ call per decode step where the compute path allows it (q4 with wafer's kernels).
-        self.fused = FusedDecode.build(model, kv.layers)
+        self.fused = FusedDecode.build(model, kv.layers) if self.device.type == "cpu" else None
+        # On a GPU, decode steps of up to 64 sequences replay CUDA graphs.
+        self.graphed = (GraphedDecode(model, kv.layers, min(kv.num_slots, 64))
+                        if cuda_graphs and self.device.type == "cuda" else None)
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits in the order of `scheduled` filtered to those that sample: one row per such item,
@@ -30,6 +35,11 @@ class ModelRunner:
         batch order). Single-token items go first so they attend together."""
         if self.fused is not None and not all_logits and sum(s.count for s in scheduled) <= MAX_ROWS:
             return self._run_fused(scheduled)
+        if (self.graphed is not None and not all_logits and len(scheduled) <= self.graphed.max_batch
+                and all(s.count == 1 and s.samples for s in scheduled)):
+            logits = self.graphed([s.input_ids()[0] for s in scheduled], [s.start for s in scheduled],
+                                  [s.seq.slot for s in scheduled])  # type: ignore[misc]
+            return logits.cpu()  # sampling and detokenising stay on the host
         singles = [s for s in scheduled if s.count == 1]
         chunks = [s for s in scheduled if s.count > 1]
         order = singles + chunks
@@ -68,14 +78,16 @@ class ModelRunner:
             ends[id(item)] = offset - 1
         rows = [r for item in scheduled if item.samples
                 for r in range(ends[id(item)] - item.rows + 1, ends[id(item)] + 1)]
-        logits_rows = None if all_logits else torch.tensor(rows, dtype=torch.long)
-        return self.model(
-            torch.tensor(ids, dtype=torch.long),
+        logits_rows = None if all_logits else torch.tensor(rows, dtype=torch.long, device=self.device)
+        batch = batch.to(self.device)
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
             batch.positions,
             batch,
             self.kv.layers,
             logits_rows,
         )
+        return logits.cpu()
 
     def _run_fused(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """A few tokens in one C++ call. Every token is computed on its own (its row's activations,

@@ -128,7 +128,7 @@ class DraftModelProposer:
 
     def __init__(self, model: LlamaModel, num_slots: int, max_len: int, seed: int | None = None) -> None:
         self.model = model
-        self.kv = KVCache(model.config, num_slots, max_len)
+        self.kv = KVCache.for_model(model, num_slots, max_len)
         self.runner = ModelRunner(model, self.kv)
         self.cached: dict[int, int] = {}  # seq_id -> leading tokens whose KV the draft cache holds
         self.generator = torch.Generator()

@@ -41,6 +41,36 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None  # [decode_span, 1, 1, decode_len] bool
     decode_dense: bool  # decode_slots == arange(decode_span): no scatter needed
     prefills: list[PrefillChunk]
+    # Static shapes (CUDA graphs): decode tokens attend over their slots' whole capacity, gathered,
+    # under decode_mask [num_decode, 1, 1, max_len]; decode_span and decode_len are unused.
+    static: bool = False
+
+    @classmethod
+    def static_decode(cls, slots: torch.Tensor, positions: torch.Tensor, max_len: int,
+                      window: int | None) -> AttentionBatch:
+        """One token per sequence at `positions` of `slots`, with the mask built on their device
+        from the positions alone, so that the whole step can be captured in a CUDA graph."""
+        lens = (positions + 1).unsqueeze(1)
+        k = torch.arange(max_len, device=positions.device).unsqueeze(0)
+        mask = k < lens
+        if window is not None:
+            mask &= k > lens - 1 - window
+        n = slots.shape[0]
+        return cls(slots=slots, positions=positions, num_decode=n, decode_slots=slots, decode_span=0,
+                   decode_len=max_len, decode_mask=mask.view(n, 1, 1, max_len), decode_dense=False,
+                   prefills=[], static=True)
+
+    def to(self, device: torch.device) -> AttentionBatch:
+        """The same batch with its index tensors and masks on `device` (built on the CPU)."""
+        if device.type == "cpu":
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return AttentionBatch(
+            slots=move(self.slots), positions=move(self.positions), num_decode=self.num_decode,
+            decode_slots=move(self.decode_slots), decode_span=self.decode_span, decode_len=self.decode_len,
+            decode_mask=None if self.decode_mask is None else move(self.decode_mask), decode_dense=self.decode_dense,
+            prefills=[PrefillChunk(c.start, c.length, c.slot, c.context_len, move(c.mask)) for c in self.prefills],
+            static=self.static)
 
 
 def causal_mask(start_pos: int, length: int, window: int | None) -> torch.Tensor:
@@ -84,7 +114,12 @@ def attend(
     out = torch.empty_like(q)
 
     nd = batch.num_decode
-    if nd:
+    if nd and batch.static:
+        qd = q[:nd].view(nd, n_kv, group, head_dim)
+        o = F.scaled_dot_product_attention(qd, k_cache[batch.decode_slots], v_cache[batch.decode_slots],
+                                           attn_mask=batch.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, n_heads, head_dim)
+    elif nd:
         span, length = batch.decode_span, batch.decode_len
         qd = q[:nd].view(nd, n_kv, group, head_dim)
         if not batch.decode_dense:

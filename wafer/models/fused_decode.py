@@ -1,4 +1,4 @@
-"""A whole decode step in one call of wafer's C++ (csrc/decode.cpp), for the `q4` compute path.
+"""A whole decode step in one call of wafer's C++ (csrc/decode.cpp), for the `q4` and `q8` compute paths.
 
 The Python model stays the definition and the reference: this only gathers its weights (the block
 codes of every BlockLinear, the norms, the rotary tables) once, and the runner uses it for steps of
@@ -19,8 +19,8 @@ from wafer.models.quant import BlockLinear
 MAX_ROWS = 64
 
 
-def _linear(mod: object, bits: int) -> list[torch.Tensor] | None:
-    if not isinstance(mod, BlockLinear) or mod.bits != bits:
+def _linear(mod: object) -> list[torch.Tensor] | None:
+    if not isinstance(mod, BlockLinear):
         return None
     return [mod.packed, mod.bias.detach() if mod.bias is not None else torch.empty(0)]
 
@@ -37,16 +37,16 @@ class FusedDecode:
     @classmethod
     def build(cls, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
         """For the model and its KV cache; None unless every linear layer runs on wafer's block
-        kernels (the q4 path)."""
+        kernels (the q4 and q8 paths)."""
         ext = kernels()
         if ext is None:
             return None
-        head = _linear(model.lm_head, 8)
+        head = _linear(model.lm_head)
         flat: list[torch.Tensor] = []
         out_features: list[int] = []
         for layer, (k_cache, v_cache) in zip(model.layers, caches):
             mods = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-            parts = [_linear(mod, 4) for mod in mods]
+            parts = [_linear(mod) for mod in mods]
             if head is None or any(p is None for p in parts):
                 return None
             flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),

@@ -216,13 +216,18 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
     compute: str = "f32",
+    device: str = "cpu",
 ) -> LoadedModel:
-    """Load `model` (a path, or None for the bundled default) for a compute path (quant.py).
-    Raises ModelLoadError."""
+    """Load `model` (a path, or None for the bundled default) for a compute path (quant.py, `auto`
+    included) on a device ("cpu" or "cuda"). Raises ModelLoadError."""
     from wafer.models.quant import PATHS, apply_compute_path, resolve
 
     if compute not in PATHS:
         raise ModelLoadError(f"unknown compute path {compute!r} (choose from {', '.join(PATHS)})")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r}: CUDA is not available here (torch {torch.__version__})")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ModelLoadError(f"device {device!r}: choose cpu or cuda")
     path = resolve_path(model)
     if path.is_dir():
         loaded = _load_hf(path, dtype, progress)
@@ -235,6 +240,11 @@ def load_model(
             loaded = _load_hf(path.parent, dtype, progress)
         else:
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")
-    loaded.model = apply_compute_path(loaded.model, compute)  # type: ignore[assignment]
-    loaded.compute = resolve(compute)
+    try:
+        loaded.compute = resolve(compute, device, loaded.config.quantization)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    loaded.model = apply_compute_path(loaded.model, loaded.compute)  # type: ignore[assignment]
+    if device != "cpu":
+        loaded.model.to(device=device, dtype=torch.bfloat16 if loaded.compute == "bf16" else torch.float32)
     return loaded

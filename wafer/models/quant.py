@@ -1,6 +1,10 @@
 """Compute paths: which kernels run the model's matrix products.
 
-`f32`: dense float32 everywhere (the reference; exact against transformers).
+`auto` (the CLI's default) picks per device and file: on CUDA `bf16`; on the CPU the path that runs
+the file's own weights: `q4` for a GGUF of 4-bit blocks (the default model), `q8` for 5- to 8-bit
+blocks, `f32` for float checkpoints (which are not quantised unless asked).
+`f32`: dense float32 everywhere (the reference; exact against transformers). CPU and CUDA.
+`bf16`: dense bfloat16 (CUDA only: on this CPU bf16 matrices are no faster than float32).
 `int8`: each linear layer of the blocks also keeps its weights as int8 with one scale per output channel, and
 batches of fewer than `dense_from_rows` rows (decode) run PyTorch's int8-weight kernel with bfloat16
 activations, reading a quarter of the bytes; larger batches (prefill) stay on float32, where this
@@ -12,6 +16,7 @@ rejected: 3.6x the perplexity on the default model.
 included: measured here they beat float32 GEMM from 1 row (3.3 ms vs 20 for all the layers) to
 256 (177 ms vs 307). From a Q4_1 GGUF these are the file's own weights. Where the kernels cannot be
 built it falls back to `int8`.
+`q8`: every linear layer in 8-bit blocks (Q8_0) on the same kernels: near-lossless, half of q4's speed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PATHS = ("f32", "int8", "q4")
+PATHS = ("auto", "f32", "bf16", "int8", "q8", "q4")
+CPU_PATHS = ("f32", "int8", "q8", "q4")
+CUDA_PATHS = ("f32", "bf16")
 
 
 class Int8Linear(nn.Module):
@@ -60,27 +67,38 @@ class BlockLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def resolve(path: str) -> str:
-    """The path that will really run: q4 needs wafer's kernels, and falls back to int8 without them."""
-    if path == "q4":
+def resolve(path: str, device: str = "cpu", file_weights: str = "f32") -> str:
+    """The path that will really run on `device` for a file whose dominant weight type is
+    `file_weights` (a GGUF type name such as 'Q4_1', or a float dtype): `auto` chosen, and q4 and
+    q8 falling back to int8 where wafer's kernels cannot be built. Raises ValueError."""
+    if path not in PATHS:
+        raise ValueError(f"unknown compute path {path!r} (choose from {', '.join(PATHS)})")
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if path == "auto":
+        if kind == "cuda":
+            return "bf16"
+        t = file_weights.upper()
+        path = "q4" if t.startswith(("Q2", "Q3", "Q4", "IQ")) else "q8" if t.startswith(("Q5", "Q6", "Q8")) else "f32"
+    allowed = CUDA_PATHS if kind == "cuda" else CPU_PATHS
+    if path not in allowed:
+        raise ValueError(f"compute path {path!r} does not run on {kind} (choose from {', '.join(allowed)})")
+    if path in ("q4", "q8"):
         from wafer.models.blockquant import kernels
 
-        return "q4" if kernels() is not None else "int8"
+        return path if kernels() is not None else "int8"
     return path
 
 
 def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
-    if path not in PATHS:
-        raise ValueError(f"unknown compute path {path!r} (choose from {', '.join(PATHS)})")
-    path = resolve(path)
-    if path == "f32":
+    """Convert a float32 CPU model for a path that resolve() returned."""
+    if path in ("f32", "bf16"):
         return model
-    if path == "q4":
+    if path in ("q4", "q8"):
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
                     # The head reads 8-bit blocks: its output is float32, unlike PyTorch's int8 kernel.
-                    setattr(module, name, BlockLinear(child, 8 if name == "lm_head" else 4))
+                    setattr(module, name, BlockLinear(child, 8 if name == "lm_head" or path == "q8" else 4))
         return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -93,6 +111,8 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
 
 def describe(path: str) -> str:
     return {"f32": "float32 (dense, dequantised at load)",
+            "bf16": "bfloat16 (dense), decode steps replayed from CUDA graphs",
+            "q8": "8-bit blocks (Q8_0) for every layer, int8 activations, wafer's AVX-512 VNNI kernels",
             "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill",
             "q4": "4-bit blocks (Q4_1) for the layers, 8-bit blocks (Q8_0) for the head, int8 activations, "
-                  "wafer's AVX-512 VNNI kernels for decode; float32 for prefill"}[path]
+                  "wafer's AVX-512 VNNI kernels"}[path]

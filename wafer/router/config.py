@@ -2,7 +2,8 @@
 
     [models.small]
     path = "bundled"            # or a GGUF file / Hugging Face directory
-    quant = "int8"              # compute path: f32 (default) or int8
+    quant = "q4"                # compute path: auto (default), f32, bf16, int8, q8 or q4 (see quant.py)
+    device = "cpu"              # auto (default: cuda when there is one), cpu or cuda
     max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens
     speculative = "ngram"       # off (default), ngram, or draft:NAME (a model of this file, a tier, or a path)
     num_speculative_tokens = 5
@@ -55,14 +56,16 @@ class LocalModelConfig:
     name: str
     path: str | None  # None: the bundled default
     options: dict[str, int] = field(default_factory=dict)
-    quant: str = "f32"  # the compute path
+    quant: str = "auto"  # the compute path
+    device: str = "auto"  # auto | cpu | cuda
     speculative: str = "off"  # off | ngram | draft:NAME
     num_speculative_tokens: int = 5
     prefix_caching: bool = True
 
 
 # Per-model settings besides the integer engine options; the CLI's values are their defaults.
-MODEL_SETTINGS = ("quant", "speculative", "num_speculative_tokens", "prefix_caching")
+MODEL_SETTINGS = ("quant", "device", "speculative", "num_speculative_tokens", "prefix_caching")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -123,7 +126,7 @@ class ServeConfig:
                 raise ConfigError(f"routing rule {rule!r} sends to {tier!r}, which is not a tier")
 
 
-def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = "f32",
+def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = "auto",
                    settings: dict[str, Any] | None = None) -> ServeConfig:
     """No file: one model serves every tier and answers to its own names (the first is canonical).
     `settings`: values for MODEL_SETTINGS other than quant."""
@@ -139,7 +142,7 @@ def default_config(model: str | None, names: list[str], options: dict[str, int],
     return cfg
 
 
-def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = "f32",
+def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = "auto",
                 settings: dict[str, Any] | None = None) -> ServeConfig:
     try:
         raw = tomllib.loads(path.read_text())
@@ -155,7 +158,7 @@ def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: st
         raise ConfigError(f"{path}: invalid configuration ({e})") from None
 
 
-def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "f32",
+def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto",
            settings: dict[str, Any] | None = None) -> ServeConfig:
     models = {}
     for name, m in (raw.get("models") or {}).items():
@@ -166,6 +169,8 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "f32",
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
         if m.get("quant", quant) not in PATHS:
             raise ConfigError(f"model {name!r}: quant must be one of {', '.join(PATHS)}")
+        if m.get("device", "auto") not in DEVICES:
+            raise ConfigError(f"model {name!r}: device must be one of {', '.join(DEVICES)}")
         own = {**(settings or {}), **{k: m[k] for k in MODEL_SETTINGS if k in m and k != "quant"}}
         models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts, m.get("quant", quant),
                                         **own)

@@ -119,24 +119,24 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
         raise ConfigError(f"the configured models need about {need / 2**30:.1f} GiB of weights but the memory budget "
                           f"is {budget / 2**30:.1f} GiB (memory_budget_gb, or 80% of available memory); "
                           f"serve fewer or smaller models")
-    loaded: dict[tuple[str | None, str], LoadedModel] = {}
+    loaded: dict[tuple[str | None, str, str], LoadedModel] = {}
 
-    def load(path: str | None, quant: str) -> LoadedModel:
-        if (path, quant) not in loaded:
-            loaded[(path, quant)] = load_with_progress(path, quiet, quant)
-        return loaded[(path, quant)]
+    def load(path: str | None, quant: str, device: str) -> LoadedModel:
+        if (path, quant, device) not in loaded:
+            loaded[(path, quant, device)] = load_with_progress(path, quiet, quant, device)
+        return loaded[(path, quant, device)]
 
     served = []
     lock = threading.Lock()
     for m in cfg.models.values():
-        target = load(m.path, m.quant)
+        target = load(m.path, m.quant, m.device)
         spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens))
         draft = None
         if spec.draft_model is not None:
             # A model of the configuration (weights shared with its own engine) or a file of its own.
             ref = draft_target(cfg, spec.draft_model)
             other = cfg.models.get(ref)
-            draft = load(other.path, other.quant) if other else load(ref, m.quant)
+            draft = load(other.path, other.quant, other.device) if other else load(ref, m.quant, m.device)
         o = m.options
         try:
             served.append(build_served(target, [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
@@ -151,7 +151,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
                "max_batched_tokens": args.max_batched_tokens}
-    settings = {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+    settings = {"device": args.device, "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
                 "prefix_caching": not args.no_prefix_caching}
     if args.config:
         cfg = load_config(Path(args.config), options, args.quant, settings)

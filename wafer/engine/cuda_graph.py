@@ -1,0 +1,80 @@
+"""Decode steps replayed from CUDA graphs, as vLLM and nano-vllm do.
+
+On a GPU a decode step of a small batch is hundreds of kernel launches whose CPU cost exceeds their
+GPU time; a CUDA graph launches them all at once. A graph fixes its shapes, so a step here is the
+model's ordinary forward over static buffers: attention reads every cache slot's whole capacity
+under a mask built on the device from the positions (AttentionBatch.static_decode), and each batch
+size bucket (1, 2, 4, 8, ...) has its own graph. A smaller batch is padded by repeating its first
+token, which writes the same key and value to the same place again.
+
+Where CUDA is absent the same class runs the same static forward eagerly (capture=False), so the
+logic is tested on the CPU against the ordinary path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wafer.models.attention import AttentionBatch
+from wafer.models.llama import LlamaModel
+
+
+def buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8]
+    while sizes[-1] < max_batch:
+        sizes.append(sizes[-1] + 8 if sizes[-1] < 32 else sizes[-1] * 2)
+    return [b for b in sizes if b < max_batch] + [max_batch]
+
+
+class GraphedDecode:
+    def __init__(self, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int,
+                 capture: bool | None = None) -> None:
+        self.model = model
+        self.caches = caches
+        self.max_len = caches[0][0].shape[2]
+        self.window = model.config.sliding_window
+        device = caches[0][0].device
+        self.max_batch = max_batch
+        self.sizes = buckets(max_batch)
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if self.capture:
+            self._capture_all()
+
+    def _forward(self, n: int) -> torch.Tensor:
+        batch = AttentionBatch.static_decode(self.slots[:n], self.positions[:n], self.max_len, self.window)
+        return self.model(self.ids[:n], self.positions[:n], batch, self.caches)
+
+    def _capture_all(self) -> None:
+        # Warm-up on a side stream first (cuBLAS picks its algorithms and workspaces outside the
+        # capture), largest graph first so that the smaller ones reuse its memory pool.
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for n in reversed(self.sizes):
+                self._forward(n)
+        torch.cuda.current_stream().wait_stream(stream)
+        for n in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[n] = self._forward(n)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[n] = graph
+        torch.cuda.synchronize()
+
+    def __call__(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Logits [len(ids), vocab] for one token each of distinct sequences."""
+        n = len(ids)
+        size = next(s for s in self.sizes if s >= n)
+        pad = size - n  # rows repeating the first token: same key and value, same place
+        for buf, values in ((self.ids, ids), (self.positions, positions), (self.slots, slots)):
+            buf[:size].copy_(torch.tensor(values + values[:1] * pad, dtype=torch.long), non_blocking=True)
+        if not self.capture:
+            return self._forward(size)[:n]
+        self.graphs[size].replay()
+        return self.outputs[size][:n]

@@ -31,16 +31,11 @@ class LoadedModel:
     path: Path
     name: str
     compute: str = "f32"  # the compute path (see quant.py)
+    num_parameters: int = 0  # counted before a compute path packs weights into buffers
 
-    @property
-    def num_parameters(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        for p in self.model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-        return total
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # shared (tied) tensors are listed once
 
 
 def default_model_path() -> Path:
@@ -240,6 +235,7 @@ def load_model(
             loaded = _load_hf(path.parent, dtype, progress)
         else:
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")
+    loaded.num_parameters = count_parameters(loaded.model)
     try:
         loaded.compute = resolve(compute, device, loaded.config.quantization)
     except ValueError as e:

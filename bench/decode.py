@@ -136,8 +136,10 @@ def main() -> None:
     ids = prompt_ids(PROMPT)
     filler = " ".join(["The lighthouse stood on the rocky shore and watched the sea."] * 200)
     long_ids = prompt_ids(filler)[: args.long_prompt - 8] + ids[-8:]
-    systems: dict[str, object] = {"wafer": wafer_run, "wafer --quant int8": wafer_runner(args.tokens, "int8")[1],
-                                  "wafer --quant q4": wafer_runner(args.tokens, "q4")[1]}
+    # q4 is what `--quant auto` (the default) runs for the bundled Q4_1 file.
+    systems: dict[str, object] = {"wafer --quant f32": wafer_run, "wafer --quant int8": wafer_runner(args.tokens, "int8")[1],
+                                  "wafer --quant q8": wafer_runner(args.tokens, "q8")[1],
+                                  "wafer --quant q4 (auto)": wafer_runner(args.tokens, "q4")[1]}
     _, hf_run = hf_runner(args.tokens)
     systems["transformers"] = hf_run
     lc = llama_cpp_runner(args.tokens)
@@ -162,7 +164,7 @@ def main() -> None:
     print(f"Single-stream decode, default model, {len(ids)}-token chat prompt, greedy, EOS suppressed, "
           f"{args.tokens} new tokens, {THREADS} threads, median of {args.repeats}")
     # Ratios against llama-cpp-python when it ran (the baseline), else against wafer f32.
-    base_name = "llama-cpp-python" if "llama-cpp-python" in results else "wafer"
+    base_name = "llama-cpp-python" if "llama-cpp-python" in results else "wafer --quant f32"
     base_dec, _, base_long = results[base_name]
     rows = []
     for name, (dec, t1, t2) in results.items():

@@ -23,7 +23,7 @@ from wafer.engine.runner import ModelRunner  # noqa: E402
 from wafer.engine.scheduler import ScheduledSeq  # noqa: E402
 from wafer.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402
-from wafer.models.quant import PATHS  # noqa: E402
+from wafer.models.quant import CPU_PATHS  # noqa: E402
 
 
 def corpus_ids(tokenizer, n_tokens: int) -> list[int]:
@@ -63,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows, ref = [], None
-    for path in PATHS:
+    for path in CPU_PATHS:
         loaded = load_model(args.model, compute=path)
         ids = corpus_ids(loaded.tokenizer, args.tokens)
         t0 = time.perf_counter()

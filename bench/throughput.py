@@ -2,12 +2,14 @@
 
 Each sequence gets a distinct short chat prompt and decodes --tokens tokens greedily with EOS
 suppressed; prefill is excluded: the clock runs from the step where every sequence has its first
-token to the end.
+token to the end. In the same run, llama-cpp-python's single-stream decode (bench/decode.py's
+measurement, median of 3) is the baseline of the last columns: the issue asks 16 sequences for 8x it.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import table  # noqa: E402
+from bench.common import PROMPT, table  # noqa: E402
+from bench.decode import llama_cpp_runner  # noqa: E402
 from wafer.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from wafer.engine.sequence import SamplingParams  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402
@@ -43,18 +46,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--quant", default="f32,int8,q4")
+    ap.add_argument("--quant", default="f32,int8,q8,q4")
     args = ap.parse_args()
     torch.set_num_threads(2)
     levels = [int(x) for x in args.concurrency.split(",")]
+    baseline = None
+    lc = llama_cpp_runner(256)
+    if lc is not None:
+        loaded = load_model(compute="f32")
+        ids = loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": PROMPT}]),
+                                      add_special_tokens=False)
+        lc(ids, 8)  # warm-up
+        baseline = statistics.median(lc(ids)[1] for _ in range(3))
     rows = []
     for path in args.quant.split(","):
         loaded = load_model(compute=path)
         run(loaded, 1, 4)  # warm-up
         results = [run(loaded, n, args.tokens) for n in levels]
-        rows.append([path, *[f"{r:.1f}" for r in results], f"{results[-1] / results[0]:.1f}x"])
+        row = [path, *[f"{r:.1f}" for r in results], f"{results[-1] / results[0]:.1f}x"]
+        if baseline is not None:
+            row += [f"{results[levels.index(n)] / baseline:.1f}x" for n in levels if n >= 16]
+        rows.append(row)
     print(f"Aggregate decode tokens/s, default model, {args.tokens} new tokens per sequence")
-    print(table(["compute path", *[f"{n} seq" for n in levels], f"{levels[-1]} vs 1"], rows))
+    headers = ["compute path", *[f"{n} seq" for n in levels], f"{levels[-1]} vs 1"]
+    if baseline is not None:
+        print(f"llama-cpp-python single stream, same run: {baseline:.1f} tokens/s (median of 3, 256 tokens)")
+        headers += [f"{n} seq vs llama-cpp-python 1" for n in levels if n >= 16]
+    print(table(headers, rows))
 
 
 if __name__ == "__main__":

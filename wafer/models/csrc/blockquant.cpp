@@ -61,7 +61,10 @@ void tile(const uint8_t* P, int64_t nb, const Rows& x, float* Y, int64_t N, int6
         __m512 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
         const uint8_t* p = P + g * nb * rec;
+#pragma GCC unroll 1
         for (int64_t b = 0; b < nb; ++b, p += rec) {
+            // The next group's record at this block: fetched while this one computes.
+            for (int64_t line = 0; line < rec; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + nb * rec + line), _MM_HINT_T0);
             __m512i w[8];
             if constexpr (BITS == 4) {
                 for (int i = 0; i < 4; ++i) {
@@ -75,6 +78,8 @@ void tile(const uint8_t* P, int64_t nb, const Rows& x, float* Y, int64_t N, int6
             const uint8_t* sc = p + rec - 64;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+            // Unrolled, so that the accumulators live in registers (rolled, GCC kept them on the stack).
+#pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + r * x.K + b * QK);
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();

@@ -50,6 +50,7 @@ bench: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/speculative.py
+	$(BIN)/python bench/speculative.py --quant f32
 	$(BIN)/python bench/prefix_cache.py
 	$(BIN)/python bench/server_decode.py
 

@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per prompt at most")
     ap.add_argument("--k", type=int, default=8, help="speculative tokens per step (default 8)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quant", choices=["f32", "int8", "q4"], default="f32")
+    ap.add_argument("--quant", choices=["f32", "int8", "q8", "q4"], default="q4")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wafer.engine.cuda_graph import GraphedDecode, buckets
+from wafer.engine.cuda_graph import GraphedDecode, buckets, length_buckets
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
 from wafer.engine.scheduler import ScheduledSeq
@@ -23,6 +23,9 @@ def test_buckets_cover_every_batch_size():
     assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 64]
     for n in range(1, 65):
         assert any(b >= n for b in buckets(64))
+    assert length_buckets(4096) == [256, 512, 1024, 2048, 4096]
+    assert length_buckets(300) == [256, 300]
+    assert length_buckets(64) == [64]
 
 
 def prefill(runner: ModelRunner, kv: KVCache) -> list[Sequence]:
@@ -43,7 +46,9 @@ def test_static_decode_equals_the_ordinary_path(tmp_path, arch, kw):
     loaded = load_model(str(make_hf_model(tmp_path, arch, seed=5, **kw)))
     kv = KVCache.for_model(loaded.model, 4, 64)
     runner = ModelRunner(loaded.model, kv)
-    static = GraphedDecode(loaded.model, kv.layers, 4, capture=False)
+    # Context buckets of 16, 32 and 64 positions: the sequences cross from the first to the second.
+    static = GraphedDecode(loaded.model, kv.layers, 4, capture=False, min_length=16)
+    assert static.lengths == [16, 32, 64]
     seqs = prefill(runner, kv)
     for _ in range(12):  # past the window of 8
         items = [ScheduledSeq(s, s.num_cached, 1) for s in seqs]

@@ -2,9 +2,11 @@
 
 On a GPU a decode step of a small batch is hundreds of kernel launches whose CPU cost exceeds their
 GPU time; a CUDA graph launches them all at once. A graph fixes its shapes, so a step here is the
-model's ordinary forward over static buffers: attention reads every cache slot's whole capacity
-under a mask built on the device from the positions (AttentionBatch.static_decode), and each batch
-size bucket (1, 2, 4, 8, ...) has its own graph. A smaller batch is padded by repeating its first
+model's ordinary forward over static buffers: attention reads the first L positions of each
+sequence's cache slot under a mask built on the device from the positions
+(AttentionBatch.static_decode). Each pair of a batch size bucket (1, 2, 4, 8, 16, 24, 32, 64, ...)
+and a context bucket L (256, 512, 1024, ... up to the cache's capacity) has its own graph, so a
+short context does not pay for the whole capacity. A smaller batch is padded by repeating its first
 token, which writes the same key and value to the same place again.
 
 Where CUDA is absent the same class runs the same static forward eagerly (capture=False), so the
@@ -26,9 +28,17 @@ def buckets(max_batch: int) -> list[int]:
     return [b for b in sizes if b < max_batch] + [max_batch]
 
 
+def length_buckets(max_len: int, smallest: int = 256) -> list[int]:
+    lengths = []
+    while smallest < max_len:
+        lengths.append(smallest)
+        smallest *= 2
+    return lengths + [max_len]
+
+
 class GraphedDecode:
     def __init__(self, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, min_length: int = 256) -> None:
         self.model = model
         self.caches = caches
         self.max_len = caches[0][0].shape[2]
@@ -36,45 +46,47 @@ class GraphedDecode:
         device = caches[0][0].device
         self.max_batch = max_batch
         self.sizes = buckets(max_batch)
+        self.lengths = length_buckets(self.max_len, min_length)
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.capture = device.type == "cuda" if capture is None else capture
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         if self.capture:
             self._capture_all()
 
-    def _forward(self, n: int) -> torch.Tensor:
-        batch = AttentionBatch.static_decode(self.slots[:n], self.positions[:n], self.max_len, self.window)
+    def _forward(self, n: int, length: int) -> torch.Tensor:
+        batch = AttentionBatch.static_decode(self.slots[:n], self.positions[:n], length, self.window)
         return self.model(self.ids[:n], self.positions[:n], batch, self.caches)
 
     def _capture_all(self) -> None:
         # Warm-up on a side stream first (cuBLAS picks its algorithms and workspaces outside the
         # capture), largest graph first so that the smaller ones reuse its memory pool.
+        shapes = [(n, length) for n in reversed(self.sizes) for length in reversed(self.lengths)]
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for n in reversed(self.sizes):
-                self._forward(n)
+            for shape in shapes:
+                self._forward(*shape)
         torch.cuda.current_stream().wait_stream(stream)
-        for n in reversed(self.sizes):
+        for shape in shapes:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[n] = self._forward(n)
+                self.outputs[shape] = self._forward(*shape)
             pool = graph.pool() if pool is None else pool
-            self.graphs[n] = graph
+            self.graphs[shape] = graph
         torch.cuda.synchronize()
 
     def __call__(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] for one token each of distinct sequences."""
         n = len(ids)
-        size = next(s for s in self.sizes if s >= n)
-        pad = size - n  # rows repeating the first token: same key and value, same place
+        shape = (next(s for s in self.sizes if s >= n), next(L for L in self.lengths if L > max(positions)))
+        pad = shape[0] - n  # rows repeating the first token: same key and value, same place
         for buf, values in ((self.ids, ids), (self.positions, positions), (self.slots, slots)):
-            buf[:size].copy_(torch.tensor(values + values[:1] * pad, dtype=torch.long), non_blocking=True)
+            buf[: shape[0]].copy_(torch.tensor(values + values[:1] * pad, dtype=torch.long), non_blocking=True)
         if not self.capture:
-            return self._forward(size)[:n]
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+            return self._forward(*shape)[:n]
+        self.graphs[shape].replay()
+        return self.outputs[shape][:n]

@@ -41,15 +41,16 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None  # [decode_span, 1, 1, decode_len] bool
     decode_dense: bool  # decode_slots == arange(decode_span): no scatter needed
     prefills: list[PrefillChunk]
-    # Static shapes (CUDA graphs): decode tokens attend over their slots' whole capacity, gathered,
-    # under decode_mask [num_decode, 1, 1, max_len]; decode_span and decode_len are unused.
+    # Static shapes (CUDA graphs): decode tokens attend over the first decode_len positions of their
+    # slots, gathered, under decode_mask [num_decode, 1, 1, decode_len]; decode_span is unused.
     static: bool = False
 
     @classmethod
     def static_decode(cls, slots: torch.Tensor, positions: torch.Tensor, max_len: int,
                       window: int | None) -> AttentionBatch:
-        """One token per sequence at `positions` of `slots`, with the mask built on their device
-        from the positions alone, so that the whole step can be captured in a CUDA graph."""
+        """One token per sequence at `positions` (< max_len) of `slots`, attending over positions
+        [0, max_len) under a mask built on their device from the positions alone, so that the whole
+        step can be captured in a CUDA graph."""
         lens = (positions + 1).unsqueeze(1)
         k = torch.arange(max_len, device=positions.device).unsqueeze(0)
         mask = k < lens
@@ -116,7 +117,9 @@ def attend(
     nd = batch.num_decode
     if nd and batch.static:
         qd = q[:nd].view(nd, n_kv, group, head_dim)
-        o = F.scaled_dot_product_attention(qd, k_cache[batch.decode_slots], v_cache[batch.decode_slots],
+        length = batch.decode_len
+        o = F.scaled_dot_product_attention(qd, k_cache[:, :, :length][batch.decode_slots],
+                                           v_cache[:, :, :length][batch.decode_slots],
                                            attn_mask=batch.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, n_heads, head_dim)
     elif nd:

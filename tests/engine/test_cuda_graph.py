@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.steps import advance, decode_items, prefill
 from wafer.engine.cuda_graph import GraphedDecode, buckets, length_buckets
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
-from wafer.engine.scheduler import ScheduledSeq
-from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.models.loader import load_model
 
 PROMPTS = [[1, 5, 9, 13, 200, 7, 7, 42, 300, 12, 14, 15], [1, 88, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -28,17 +27,6 @@ def test_buckets_cover_every_batch_size():
     assert length_buckets(64) == [64]
 
 
-def prefill(runner: ModelRunner, kv: KVCache) -> list[Sequence]:
-    seqs = []
-    for p in PROMPTS:
-        seq = Sequence(p, SamplingParams())
-        seq.slot, _ = kv.allocate()
-        runner.run([ScheduledSeq(seq, 0, len(p) - 1)])
-        seq.num_cached = len(p) - 1
-        seqs.append(seq)
-    return seqs
-
-
 @pytest.mark.parametrize("arch,kw", [("llama", {}), ("mistral", {"sliding_window": 8})])
 def test_static_decode_equals_the_ordinary_path(tmp_path, arch, kw):
     from tests.tiny import make_hf_model
@@ -49,17 +37,14 @@ def test_static_decode_equals_the_ordinary_path(tmp_path, arch, kw):
     # Context buckets of 16, 32 and 64 positions: the sequences cross from the first to the second.
     static = GraphedDecode(loaded.model, kv.layers, 4, capture=False, min_length=16)
     assert static.lengths == [16, 32, 64]
-    seqs = prefill(runner, kv)
+    seqs = prefill(runner, kv, PROMPTS)
     for _ in range(12):  # past the window of 8
-        items = [ScheduledSeq(s, s.num_cached, 1) for s in seqs]
-        ordinary = runner.run(items)
+        ordinary = runner.run(decode_items(seqs))
         # Three sequences in the bucket of 4: the padding row rewrites the first one's key and value.
         got = static([s.tokens[s.num_cached] for s in seqs], [s.num_cached for s in seqs], [s.slot for s in seqs])
         assert got.shape == ordinary.shape
         torch.testing.assert_close(got, ordinary, rtol=1e-4, atol=1e-4)
-        for s, row in zip(seqs, ordinary):
-            s.tokens.append(int(row.argmax()))
-            s.num_cached += 1
+        advance(seqs, ordinary)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA graphs cannot be captured here")
@@ -69,15 +54,12 @@ def test_captured_graphs_equal_eager_on_cuda(tmp_path):
     path = str(make_hf_model(tmp_path, "llama", seed=5))
     loaded = load_model(path, compute="bf16", device="cuda")
     kv = KVCache.for_model(loaded.model, 4, 64)
-    runner = ModelRunner(loaded.model, kv)  # captures graphs for 1, 2, 3 and 4 sequences
+    runner = ModelRunner(loaded.model, kv)  # captures graphs for 1, 2 and 4 sequences
     assert runner.graphed is not None and runner.graphed.graphs
     eager = GraphedDecode(loaded.model, kv.layers, 4, capture=False)
-    seqs = prefill(runner, kv)
+    seqs = prefill(runner, kv, PROMPTS)
     for _ in range(6):
-        items = [ScheduledSeq(s, s.num_cached, 1) for s in seqs]
         args = ([s.tokens[s.num_cached] for s in seqs], [s.num_cached for s in seqs], [s.slot for s in seqs])
-        replayed = runner.run(items)
+        replayed = runner.run(decode_items(seqs))
         torch.testing.assert_close(replayed, eager(*args).cpu(), rtol=2e-2, atol=2e-2)
-        for s, row in zip(seqs, replayed):
-            s.tokens.append(int(row.argmax()))
-            s.num_cached += 1
+        advance(seqs, replayed)

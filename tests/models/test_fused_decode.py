@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.steps import advance, decode_items, prefill
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
-from wafer.engine.scheduler import ScheduledSeq
-from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.models.blockquant import kernels
 from wafer.models.loader import load_model
 
@@ -26,25 +25,17 @@ def decode_logits(loaded, prompts: list[list[int]], steps: int) -> list[tuple[to
     kv = KVCache(loaded.config, len(prompts), 256)
     runner = ModelRunner(loaded.model, kv)
     assert runner.fused is not None
-    seqs = []
-    for p in prompts:
-        seq = Sequence(p, SamplingParams())
-        seq.slot, _ = kv.allocate()
-        runner.run([ScheduledSeq(seq, 0, len(p) - 1)])  # prefill the prompt (but its last token)
-        seq.num_cached = len(p) - 1
-        seqs.append(seq)
+    seqs = prefill(runner, kv, prompts)
     out = []
     for _ in range(steps):
-        items = [ScheduledSeq(s, s.num_cached, 1) for s in seqs]
+        items = decode_items(seqs)
         fused_runner = runner.fused
         runner.fused = None
         python = runner.run(items)
         runner.fused = fused_runner
         fused = runner.run(items)  # rewrites the same KV entries
         out.append((fused, python))
-        for s, row in zip(seqs, fused):
-            s.tokens.append(int(row.argmax()))
-            s.num_cached += 1
+        advance(seqs, fused)
     return out
 
 
@@ -81,18 +72,10 @@ def test_fused_step_is_batch_invariant(smollm):
                for q in ("What is 2+2?", "Name a colour.", "Say hello in French.", "Count to five.")]
     kv = KVCache(q4.config, len(prompts), 256)
     runner = ModelRunner(q4.model, kv)
-    seqs = []
-    for p in prompts:
-        seq = Sequence(p, SamplingParams())
-        seq.slot, _ = kv.allocate()
-        runner.run([ScheduledSeq(seq, 0, len(p) - 1)])
-        seq.num_cached = len(p) - 1
-        seqs.append(seq)
+    seqs = prefill(runner, kv, prompts)
     for _ in range(3):
-        items = [ScheduledSeq(s, s.num_cached, 1) for s in seqs]
+        items = decode_items(seqs)
         together = runner.run(items)
         for item, row in zip(items, together):
             assert torch.equal(runner.run([item])[0], row)  # rewrites the same KV entries
-        for s, row in zip(seqs, together):
-            s.tokens.append(int(row.argmax()))
-            s.num_cached += 1
+        advance(seqs, together)

@@ -7,14 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.steps import decode_items, prefill
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
-from wafer.engine.scheduler import ScheduledSeq
-from wafer.engine.sequence import SamplingParams, Sequence
-from wafer.models.loader import load_model
-from wafer.models.blockquant import kernels
 from wafer.errors import ModelLoadError
-from wafer.models.quant import BlockLinear, Int8Linear, resolve
+from wafer.models.blockquant import kernels
+from wafer.models.loader import load_model
+from wafer.models.quant import BlockLinear, Int8Linear, apply_compute_path, resolve
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about snow.", "Explain photosynthesis briefly.",
              "List three prime numbers.", "Who wrote Hamlet?"]
@@ -46,11 +45,9 @@ def quant_model(request):
 
 def last_logprobs(loaded, ids: list[int]) -> torch.Tensor:
     kv = KVCache(loaded.config, 1, 256)
-    seq = Sequence(ids, SamplingParams())
-    seq.slot, _ = kv.allocate()
     runner = ModelRunner(loaded.model, kv)
-    runner.run([ScheduledSeq(seq, 0, len(ids) - 1)])
-    return torch.log_softmax(runner.run([ScheduledSeq(seq, len(ids) - 1, 1)])[0], -1)  # a decode step
+    seqs = prefill(runner, kv, [ids])
+    return torch.log_softmax(runner.run(decode_items(seqs))[0], -1)  # a decode step
 
 
 def test_path_within_tolerance(smollm, quant_model):
@@ -75,6 +72,8 @@ def test_unknown_path_refused():
         resolve("fp4")
     with pytest.raises(ModelLoadError, match="unknown compute path"):
         load_model(compute="fp4")
+    with pytest.raises(ValueError, match="unknown compute path"):
+        apply_compute_path(nn.Linear(2, 2), "fp4")
 
 
 def test_auto_runs_the_files_own_weights_per_device():

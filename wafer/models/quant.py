@@ -100,6 +100,8 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
                     # The head reads 8-bit blocks: its output is float32, unlike PyTorch's int8 kernel.
                     setattr(module, name, BlockLinear(child, 8 if name == "lm_head" or path == "q8" else 4))
         return model
+    if path != "int8":
+        raise ValueError(f"unknown compute path {path!r} (resolve() names the paths that run)")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             # The output head stays float32: the int8 kernel's bfloat16 output would round logits

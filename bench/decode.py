@@ -24,7 +24,10 @@ from bench.common import PROMPT, now, table  # noqa: E402
 THREADS = 2
 
 
-def wafer_runner(n_new: int, compute: str = "f32"):
+def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False):
+    """(prompt_ids, run): run(ids, n) decodes greedily and returns (TTFT s, decode tok/s). EOS is
+    suppressed by logit bias, as llama-cpp-python's run does, or with ignore_eos as an HTTP
+    request asks for it."""
     from wafer.engine.engine import EngineConfig, LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
@@ -38,7 +41,8 @@ def wafer_runner(n_new: int, compute: str = "f32"):
         return tok.encode(loaded.chat_template.render([{"role": "user", "content": text}]), add_special_tokens=False)
 
     def run(ids: list[int], n: int = n_new) -> tuple[float, float]:
-        params = SamplingParams(max_tokens=n, temperature=0, logit_bias={e: -1e9 for e in tok.eos_ids})
+        params = (SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) if ignore_eos else
+                  SamplingParams(max_tokens=n, temperature=0, logit_bias={e: -1e9 for e in tok.eos_ids}))
         t0 = now()
         seq = engine.add(ids, params)
         first = None

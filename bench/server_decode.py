@@ -20,8 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
 from bench.common import PROMPT, table  # noqa: E402
-from bench.decode import THREADS  # noqa: E402
+from bench.decode import THREADS, wafer_runner  # noqa: E402
 from bench.prefix_cache import serve  # noqa: E402
 
 
@@ -58,32 +60,6 @@ def through_bench_client(base_url: str, model: str, n: int) -> float:
     return (rec.usage_completion - 1) / (rec.end - rec.chunk_times[0])  # type: ignore[operator]
 
 
-def engine_runner(quant: str, n: int):
-    """A function timing one single-stream decode in an engine of this process."""
-    import torch
-
-    from wafer.engine.engine import EngineConfig, LLMEngine
-    from wafer.engine.sequence import SamplingParams
-    from wafer.models.loader import load_model
-
-    torch.set_num_threads(THREADS)
-    loaded = load_model(compute=quant)
-    engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=2048, prefix_caching=False))
-    ids = loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": PROMPT}]),
-                                  add_special_tokens=False)
-
-    def run(tokens: int = n) -> float:
-        seq = engine.add(ids, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-        first = None
-        while not seq.finished:
-            engine.step()
-            if first is None and seq.output_ids:
-                first = time.perf_counter()
-        return (tokens - 1) / (time.perf_counter() - first)  # type: ignore[operator]
-
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quant", default="q4")
@@ -97,15 +73,17 @@ def main() -> None:
     proc = serve(args.port, ["--quant", args.quant, "--max-running", "1"])
     try:
         url, name = f"http://127.0.0.1:{args.port}/v1", display_name(None)
-        engine = engine_runner(args.quant, args.tokens)
+        torch.set_num_threads(THREADS)
+        prompt_ids, engine = wafer_runner(args.tokens, args.quant, ignore_eos=True)
+        ids = prompt_ids(PROMPT)
         through_server(url, name, 16)  # warm-ups
         through_bench_client(url, name, 16)
-        engine(16)
+        engine(ids, 16)
         http, light, local = [], [], []
         for _ in range(args.repeats):  # alternating, so that a slow spell of the machine hits all alike
             http.append(through_server(url, name, args.tokens))
             light.append(through_bench_client(url, name, args.tokens))
-            local.append(engine())
+            local.append(engine(ids)[1])
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -11,8 +11,8 @@ import httpx
 import uvicorn
 
 from wafer.server.app import create_app
-from wafer.server.main import build_served
 from wafer.server.generation import ServedModel
+from wafer.server.main import EngineServer, build_served
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -36,7 +36,6 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-        self.served.engine.stop()
 
 
 def free_port() -> int:
@@ -51,10 +50,11 @@ def start_server(loaded, api_keys=None, max_running=16, max_waiting=64, names=No
     return serve_app(create_app(served, api_keys, **app_kw), served)
 
 
-def serve_app(app, served) -> RunningServer:
-    """Run an app on a free loopback port in a thread; returns once /health answers."""
+def serve_app(app, served: ServedModel, *others: ServedModel) -> RunningServer:
+    """Run an app on a free loopback port in a thread, its loop stepping the engines of `served` and
+    `others`, as `wafer serve` does; returns once /health answers."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = EngineServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), [served, *others])
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 
 import httpx
 import pytest
@@ -18,9 +17,8 @@ from wafer.server.main import build_served
 
 @pytest.fixture(scope="module")
 def routed(smollm, tiny_dir, server):
-    lock = threading.Lock()
-    big = build_served(smollm, ["big"], 4, 16, 1024, 256, lock)
-    small = build_served(load_model(str(tiny_dir)), ["small"], 4, 16, 512, 256, lock)
+    big = build_served(smollm, ["big"], 4, 16, 1024, 256)
+    small = build_served(load_model(str(tiny_dir)), ["small"], 4, 16, 512, 256)
     cfg = ServeConfig(
         models={"big": LocalModelConfig("big", None), "small": LocalModelConfig("small", str(tiny_dir))},
         upstreams={
@@ -33,10 +31,9 @@ def routed(smollm, tiny_dir, server):
     )
     cfg.check()
     app = create_app([big, small], router=Router(cfg, prompt_counter(big)), upstreams=cfg.upstreams)
-    running = serve_app(app, big)
+    running = serve_app(app, big, small)
     yield running
     running.stop()
-    small.engine.stop()
 
 
 def ask(routed, model: str, content: str, **kw) -> httpx.Response:

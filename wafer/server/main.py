@@ -1,22 +1,24 @@
-"""`wafer serve`: load the model, start the engine thread, serve HTTP, shut down gracefully."""
+"""`wafer serve`: load the models, serve HTTP with their engines stepped on the same event loop,
+shut down gracefully."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import logging
 import signal
 import sys
-import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from wafer import __version__
-from wafer.engine.async_engine import AsyncEngine, drive
+from wafer.engine.async_engine import AsyncEngine, run_engines
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.speculative import SpeculativeConfig
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
@@ -30,17 +32,14 @@ log = logging.getLogger("wafer.server")
 
 def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_waiting: int,
                  max_model_len: int | None, max_batched_tokens: int = 256,
-                 step_lock: threading.Lock | None = None, start: bool = True,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
                  prefix_caching: bool = True) -> ServedModel:
-    """A model ready to serve; with start=False its engine waits to be driven (see drive())."""
+    """A model ready to serve; an EngineServer steps its engine."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
                                             speculative=speculative or SpeculativeConfig()), draft=draft)
     engine.warmup()
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, step_lock=step_lock)
-    if start:
-        async_engine.start()
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     digest = hashlib.sha256(f"{loaded.name}:{loaded.config.quantization}:{__version__}".encode()).hexdigest()
     return ServedModel(
         names=names or [loaded.name],
@@ -52,23 +51,54 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_wa
     )
 
 
-class GracefulServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: refuse new requests, let running ones finish for `grace` seconds,
-    end the rest with a final chunk, then stop. A second SIGINT exits at once."""
+class EngineServer(uvicorn.Server):
+    """uvicorn with the served models' engines stepped by a task on its own event loop. Should that
+    task die, the server stops rather than accept requests nobody will answer."""
 
-    def __init__(self, config: uvicorn.Config, served: list[ServedModel], grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, served: list[ServedModel]) -> None:
         super().__init__(config)
         self.served = served
-        self.grace = grace
-        self._draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def,override]
         self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        stepping = self.loop.create_task(run_engines([m.engine for m in self.served]))
+        stepping.add_done_callback(self._stepping_ended)
+        try:
+            await super().serve(sockets)
+        finally:
+            stepping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stepping
 
-    def signal_from_main(self, sig: int, frame: FrameType | None) -> None:
-        """The process's signal handler: uvicorn runs in a thread, so hand the signal to its loop."""
+    def _stepping_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("the engine loop died; stopping the server", exc_info=task.exception())
+            self.should_exit = True
+
+
+class GracefulServer(EngineServer):
+    """On SIGTERM/SIGINT: refuse new requests, let running ones finish for `grace` seconds,
+    end the rest with a final chunk, then stop. A second SIGINT exits at once."""
+
+    def __init__(self, config: uvicorn.Config, served: list[ServedModel], grace: float) -> None:
+        super().__init__(config, served)
+        self.grace = grace
+        self._draining = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Ours instead of uvicorn's, which raises the signal again once the server is down: a
+        drained server exits with status 0."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler can interrupt the loop anywhere: act on the loop's next turn.
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.handle_exit, sig, None)
         else:
@@ -83,7 +113,7 @@ class GracefulServer(uvicorn.Server):
         for m in self.served:
             m.engine.accepting = False
         log.info("shutting down: finishing running requests (up to %.0fs)", self.grace)
-        asyncio.get_event_loop().create_task(self._drain())
+        asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.grace
@@ -127,7 +157,6 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
         return loaded[(path, quant, device)]
 
     served = []
-    lock = threading.Lock()
     for m in cfg.models.values():
         target = load(m.path, m.quant, m.device)
         spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens))
@@ -140,8 +169,8 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
         o = m.options
         try:
             served.append(build_served(target, [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
-                                       o.get("max_model_len", 4096), o.get("max_batched_tokens", 256), lock,
-                                       start=False, speculative=spec, draft=draft, prefix_caching=m.prefix_caching))
+                                       o.get("max_model_len", 4096), o.get("max_batched_tokens", 256),
+                                       speculative=spec, draft=draft, prefix_caching=m.prefix_caching))
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
     return served
@@ -168,11 +197,5 @@ def serve(args: argparse.Namespace) -> int:
     tiers = ", ".join(f"{t} -> {' | '.join(v)}" for t, v in cfg.tiers.items())
     print(f"wafer {__version__} serving on http://{host}:{args.port}/v1: models {', '.join(cfg.models)}; "
           f"tiers {tiers}; names {', '.join(router.names)}", file=sys.stderr, flush=True)
-    # HTTP in a thread, the engines on this one: the thread that loaded the models steps them.
-    http = threading.Thread(target=server.run, name="wafer-http")
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, server.signal_from_main)
-    http.start()
-    drive([m.engine for m in served], lambda: not http.is_alive())
-    http.join()
+    server.run()  # on this thread, which loaded the models and so owns their compute threads
     return 0

@@ -17,9 +17,9 @@ from wafer.cli import main
 
 FIRST_DELAY, ROLE_DELAY, GAP, CHUNKS = 0.40, 0.15, 0.10, 5
 # A sleep never ends early but can end late on a loaded 2-core CI machine (the fake server shares this
-# process's GIL with the client). So each timing is checked one-sided: no earlier than the trace allows,
-# and late by less than the smallest mistake the arithmetic could make (counting the role chunk, a
-# ping as a token, or one gap too many).
+# process's GIL with the client). So each timing may be early by at most EARLY (clock granularity)
+# and late by at most LATE per sleep, bounds tighter than the mistakes the arithmetic could make
+# (counting the role chunk as the first token, a gap too many or too few).
 EARLY, LATE = 0.005, 0.045
 
 
@@ -83,14 +83,18 @@ def test_arithmetic_on_known_trace(fake_url, tmp_path):
     cell = json.loads((tmp_path / "results.json").read_text())["cells"][0]
     assert cell["requests"] == 8 and cell["completed"] == 6
     assert cell["errors"] == {"429 rate_limit_error": 2}
-    def near(value: float, nominal: float, late: float = LATE) -> bool:
-        return nominal - EARLY <= value <= nominal + late
-
-    assert near(cell["ttft_s"]["p50"], FIRST_DELAY)  # the empty role chunk does not count
-    assert near(cell["itl_s"]["p50"], GAP)
-    assert near(cell["tpot_s"]["p50"], GAP)
-    assert near(cell["e2e_s"]["p50"], FIRST_DELAY + GAP * (CHUNKS - 1), late=2 * LATE)
-    assert 1 / (GAP + LATE) <= cell["output_speed_per_stream"]["p50"] <= 1 / (GAP - EARLY)
+    late_ttft, late_e2e = LATE, 2 * LATE  # the last token waits on every sleep before it
+    tpot_lo = GAP - (late_ttft + EARLY) / (CHUNKS - 1)  # TPOT is (e2e - TTFT) / (tokens - 1): a late
+    tpot_hi = GAP + (late_e2e + EARLY) / (CHUNKS - 1)  # first token shortens it
+    checks = {
+        "ttft_s": (FIRST_DELAY - EARLY, FIRST_DELAY + late_ttft),  # the empty role chunk does not count
+        "e2e_s": (FIRST_DELAY + GAP * (CHUNKS - 1) - EARLY, FIRST_DELAY + GAP * (CHUNKS - 1) + late_e2e),
+        "itl_s": (GAP - LATE, GAP + LATE),  # a late token shortens the gap after it
+        "tpot_s": (tpot_lo, tpot_hi),
+        "output_speed_per_stream": (1 / tpot_hi, 1 / tpot_lo),
+    }
+    for key, (lo, hi) in checks.items():
+        assert lo <= cell[key]["p50"] <= hi, (key, lo, cell[key]["p50"], hi)
     assert cell["token_count_fallbacks"] == 1  # request 3 had no usage
     assert cell["token_count_mismatches"] == 1  # request 5's usage said one token more than the text has
     assert cell["goodput"] > 0 and cell["goodput"] <= cell["request_throughput"]

@@ -131,3 +131,21 @@ def test_failure_mid_stream_is_an_error_event(faulty):
     s.wait_idle()
     r = client.chat.completions.create(model=MODEL, messages=BODY["messages"], max_tokens=5)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_engine_loop_that_dies_fails_its_requests_and_stops(smollm, caplog):
+    s = start_server(smollm, max_running=2)
+
+    def broken() -> None:
+        raise RuntimeError("a bug outside the step's own guard")
+
+    s.served.engine._drain_inbox = broken  # poll() calls it before stepping
+    try:
+        with caplog.at_level(logging.CRITICAL, logger="wafer.server"):
+            r = httpx.post(s.base_url + "/v1/chat/completions", json=BODY, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert any("engine loop died" in rec.message for rec in caplog.records)
+        s.thread.join(30)
+        assert not s.thread.is_alive()  # stopped rather than take requests nobody would answer
+    finally:
+        s.stop()

@@ -197,7 +197,9 @@ def test_openai_agents_sdk_end_to_end(server):
         instructions="Use the tool to answer weather questions.",
         model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
         tools=[get_weather],
-        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=100),
+        # Greedy and one call at a time: the assertions below are about the wire, not about sampling.
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=100, temperature=0,
+                                            parallel_tool_calls=False),
         tool_use_behavior="stop_on_first_tool",
     )
     agents.set_tracing_disabled(True)

@@ -181,7 +181,17 @@ class AsyncEngine:
                 self._requests.pop(req.rid, None)
         return True
 
-    def _fail_running(self, error: Exception) -> None:
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request, waiting or running, and admit no more: nothing steps this engine now."""
+        self.accepting = False
+        while self._inbox:
+            kind, arg = self._inbox.popleft()
+            if kind == "add":
+                self._pending -= 1
+                self._deliver(arg, EngineFailure(f"internal engine error ({type(error).__name__})"))
+        self._fail_running(error)
+
+    def _fail_running(self, error: BaseException) -> None:
         self.failures += 1
         tags = [r.tag for r in self._requests.values()]
         log.exception("engine step failed; failing requests %s", ", ".join(tags) or "(none)", exc_info=error)

@@ -72,9 +72,13 @@ class EngineServer(uvicorn.Server):
                 await stepping
 
     def _stepping_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.critical("the engine loop died; stopping the server", exc_info=task.exception())
-            self.should_exit = True
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.critical("the engine loop died; failing its requests and stopping the server", exc_info=error)
+        for m in self.served:
+            m.engine.fail_all(error)  # type: ignore[arg-type]
+        self.should_exit = True
 
 
 class GracefulServer(EngineServer):

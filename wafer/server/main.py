@@ -68,8 +68,7 @@ class EngineServer(uvicorn.Server):
             await super().serve(sockets)
         finally:
             stepping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stepping
+            await asyncio.gather(stepping, return_exceptions=True)  # a death was logged when it happened
 
     def _stepping_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:

@@ -7,9 +7,8 @@ per sequence; leaving it early (a client gone) aborts the sequence before the ne
 
 Why not a thread of its own: the engine's compute threads fill the cores, and a step holds the GIL
 while its C++ runs. An engine thread therefore gained no overlap with HTTP, and paid per token for
-a self-pipe wake-up, a hand-off of the GIL and a thread switch. Measured on 2 cores, both servers
-side by side with the lightest client (http.client), in two runs: a streamed single request ran at
-0.86x and 0.89x of the engine's speed from a thread, at 0.91x and 1.00x stepped on the loop.
+a self-pipe wake-up, a hand-off of the GIL and a thread switch (bench/server_decode.py measures what
+is left of the server's cost per token).
 """
 
 from __future__ import annotations
@@ -188,7 +187,7 @@ class AsyncEngine:
             kind, arg = self._inbox.popleft()
             if kind == "add":
                 self._pending -= 1
-                self._deliver(arg, EngineFailure(f"internal engine error ({type(error).__name__})"))
+                self._deliver(arg, _failure(error))
         self._fail_running(error)
 
     def _fail_running(self, error: BaseException) -> None:
@@ -198,9 +197,13 @@ class AsyncEngine:
         for req in list(self._requests.values()):
             if req.seq_id is not None:
                 self.engine.abort(req.seq_id)
-            self._deliver(req, EngineFailure(f"internal engine error ({type(error).__name__})"))
+            self._deliver(req, _failure(error))
         self._requests.clear()
         self._by_seq.clear()
+
+
+def _failure(error: BaseException) -> EngineFailure:
+    return EngineFailure(f"internal engine error ({type(error).__name__})")
 
 
 async def run_engines(engines: list[AsyncEngine]) -> None:

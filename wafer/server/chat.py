@@ -14,7 +14,7 @@ from wafer.engine.constraints import GrammarError
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.models.chat_template import TemplateError
 from wafer.server.errors import bad_request
-from wafer.server.generation import GenerationHandler, _Choice
+from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, text_event
 from wafer.server.protocol import ChatCompletionRequest
 from wafer.server.tools import (
     ToolStream,
@@ -170,11 +170,18 @@ class ChatHandler(GenerationHandler):
                            want_lp: bool, tools: bool) -> AsyncIterator[str]:
         base = {"id": head["id"], "object": "chat.completion.chunk", **head}
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        def event(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
             obj = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
             if include_usage:
                 obj["usage"] = None
-            return self._sse(obj)
+            return obj
+
+        texts = [text_event(event(i, {"content": TEXT_HOLE})) for i in range(len(streams))]
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+            if finish is None and logprobs is None and len(delta) == 1 and "content" in delta:
+                return texts[index](delta["content"])  # the chunk of nearly every token
+            return self._sse(event(index, delta, finish, logprobs))
 
         parsers = [ToolStream() if tools else None for _ in streams]
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.server.errors import bad_request
-from wafer.server.generation import GenerationHandler, _Choice
+from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, text_event
 from wafer.server.protocol import CompletionRequest
 
 
@@ -92,11 +92,18 @@ class CompletionHandler(GenerationHandler):
 
     async def _completion_stream(self, streams, head: dict[str, Any], n_prompt: int, include_usage: bool,
                                  want_lp: bool, echoes: list[str]) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
-        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        def event(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
             obj = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
             if include_usage:
                 obj["usage"] = None
-            return self._sse(obj)
+            return obj
+
+        texts = [text_event(event(i, TEXT_HOLE)) for i in range(len(streams))]
+
+        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+            if finish is None and logprobs is None:
+                return texts[index](text)  # the chunk of nearly every token
+            return self._sse(event(index, text, finish, logprobs))
 
         def render(c: _Choice, out: SequenceOutput, offset: int) -> list[str]:
             lines = []

@@ -37,18 +37,23 @@ class RequestTimer:
     first: float | None = None
     last: float | None = None
 
+    def __post_init__(self) -> None:
+        # Resolved once: `labels()` takes a lock and a lookup, and `tokens` runs for every token.
+        m = self.metrics
+        self._generated = m.generation_tokens.labels(self.model)
+        self._itl = m.itl.labels(self.model)
+
     def tokens(self, n: int) -> None:
         """Called when a chunk with n new tokens is produced."""
         if n <= 0:
             return
         now = time.monotonic()
-        m, model = self.metrics, self.model
-        m.generation_tokens.labels(model).inc(n)  # as they come, so rates are live
+        self._generated.inc(n)  # as they come, so rates are live
         if self.first is None:
             self.first = now
-            m.ttft.labels(model).observe(now - self.start)
+            self.metrics.ttft.labels(self.model).observe(now - self.start)
         elif self.last is not None:
-            m.itl.labels(model).observe(now - self.last)
+            self._itl.observe(now - self.last)
         self.last = now
 
     def finish(self, reason: str | None, prompt_tokens: int, generation_tokens: int, queue_time: float | None) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from rich.progress import (
 
 from wafer.benchmark.client import acceptance_length, spec_counters
 from wafer.benchmark.report import save, terminal_table
-from wafer.benchmark.runner import LoadConfig, run_load
+from wafer.benchmark.runner import LoadConfig, run_async, run_load
 from wafer.benchmark.stats import FORMULAS, SLO, cell_stats
 from wafer.benchmark.workload import from_jsonl, synthetic
 
@@ -91,10 +90,10 @@ def main(args: argparse.Namespace) -> int:
                                      args.burstiness, args.duration, args.ignore_eos, args.timeout, seed)
                     if args.warmup:
                         warm = LoadConfig(**{**cfg.__dict__, "duration": None, "request_rate": float("inf")})
-                        asyncio.run(run_load(warm, prompts[: args.warmup]))
+                        run_async(run_load(warm, prompts[: args.warmup]))
                     label = f"in {in_len or 'dataset'} out {out_len} conc {conc or '-'}"
                     spec_before = spec_counters(args.base_url, args.api_key)
-                    records, duration = asyncio.run(run_load(cfg, prompts[args.warmup:], progress, label))
+                    records, duration = run_async(run_load(cfg, prompts[args.warmup:], progress, label))
                     stats = cell_stats(records, duration, tokenizer, slo, price)  # type: ignore[arg-type]
                     stats["spec_acceptance_length"] = acceptance_length(
                         spec_before, spec_counters(args.base_url, args.api_key))

@@ -11,8 +11,8 @@ client runs twice, in a process of its own: once at the engine's priority, and o
 where it reads in the engine's idle moments. The server's own threads keep their priority in both,
 so everything the server does per token is counted either way.
 
-Two rates per row, each the median of 5 runs, the runs alternating between the rows so that a slow
-spell of this shared machine hits all alike:
+Two rates per row, each the median of 9 rounds; a round runs every row once, so that a slow spell of
+this shared machine hits all alike, and the ratios to the engine are taken within each round:
 - request tok/s: tokens over the whole request, from sending it to reading the last byte. A client
   that reads late is charged for it, so this is the ratio the target is judged on;
 - decode tok/s: the tokens after the first over the time after the first (bench/decode.py's measure).
@@ -77,18 +77,17 @@ def through_sdk(base_url: str, model: str, n: int) -> Timeline:
 
 def through_bench_client(base_url: str, model: str, n: int) -> Timeline:
     """The same request with `wafer bench`'s client (httpx and json, no response models)."""
-    import asyncio
-
     import httpx
 
     from wafer.benchmark.client import send
+    from wafer.benchmark.runner import run_async
     from wafer.benchmark.workload import Prompt
 
     async def go():  # type: ignore[no-untyped-def]
         async with httpx.AsyncClient() as client:
             return await send(client, base_url, "chat", model, Prompt(PROMPT, None, n), None, True, 300.0)
 
-    rec = asyncio.run(go())
+    rec = run_async(go())
     return Timeline(rec.start, rec.chunk_times, rec.end, rec.usage_completion)  # type: ignore[arg-type]
 
 
@@ -160,7 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quant", default="q4")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--port", type=int, default=8431)
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
@@ -192,15 +191,21 @@ def main() -> None:
         proc.wait(timeout=60)
     for timelines in rows.values():
         assert all(t.tokens == args.tokens for t in timelines)
-    med = {k: {"req": statistics.median(t.request_rate() for t in v),
-               "dec": statistics.median(t.decode_rate() for t in v),
-               "gap": statistics.median(t.gap_p99_ms() for t in v)} for k, v in rows.items()}
-    base = med["engine, in process"]
+    base = rows["engine, in process"]
+
+    def paired(v: list[Timeline], rate: Callable[[Timeline], float]) -> str:
+        """The median over rounds of this row's rate over the engine's in the same round, with the
+        rounds' range: runs a few seconds apart share the machine's mood, runs minutes apart need not."""
+        r = sorted(rate(t) / rate(b) for t, b in zip(v, base))
+        return f"{statistics.median(r):.2f}x ({r[0]:.2f}-{r[-1]:.2f})"
+
     print(f"Single-stream decode, default model ({args.quant}), {args.tokens} new tokens, greedy, EOS ignored, "
-          f"{THREADS} threads, median of {args.repeats}, taken alternately")
+          f"{THREADS} threads, {args.repeats} rounds taken alternately; rates are medians, ratios the median "
+          f"(and range) of each round's ratio to the engine's")
     print(table(["where", "request tok/s", "vs engine", "decode tok/s", "vs engine", "token gap p99 ms"],
-                [[k, f"{m['req']:.1f}", f"{m['req'] / base['req']:.2f}x", f"{m['dec']:.1f}",
-                  f"{m['dec'] / base['dec']:.2f}x", f"{m['gap']:.1f}"] for k, m in med.items()]))
+                [[k, f"{statistics.median(t.request_rate() for t in v):.1f}", paired(v, Timeline.request_rate),
+                  f"{statistics.median(t.decode_rate() for t in v):.1f}", paired(v, Timeline.decode_rate),
+                  f"{statistics.median(t.gap_p99_ms() for t in v):.1f}"] for k, v in rows.items()]))
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 
 The same chat prompt, greedy, EOS ignored, 256 new tokens: with the engine in this process, and
 through `wafer serve` (a subprocess on loopback), streamed, with three clients: `wafer bench`'s
-(httpx on uvloop), the official `openai` SDK, and the standard library's blocking http.client.
+(aiohttp on uvloop), the official `openai` SDK, and the standard library's blocking http.client.
 
 The clients run on this same 2-core machine, where the engine's two threads fill both cores, so a
-client's own work on each chunk is taken from the engine's cores (measured against a server of a tiny
-model, in CPU per token: 0.04 ms for http.client, 0.15 for wafer bench's client, 0.25 for the SDK). In a deployment the client is elsewhere. So each
-client runs twice, in a process of its own: once at the engine's priority, and once at nice 19,
-where it reads in the engine's idle moments. The server's own threads keep their priority in both,
-so everything the server does per token is counted either way.
+client's own work on each chunk is taken from the engine's cores (measured against a server of a
+tiny model, in CPU per token: 0.04 ms for http.client, 0.05 for wafer bench's client, 0.25 for the
+SDK). In a deployment the client is elsewhere. So each client runs twice, in a process of its own:
+once at the engine's priority, and once at nice 19, where it reads in the engine's idle moments.
+The server's own threads keep their priority in both, so everything the server does per token is
+counted either way.
 
 Two rates per row, each the median of 9 rounds; a round runs every row once, so that a slow spell of
 this shared machine hits all alike, and the ratios to the engine are taken within each round:
@@ -76,15 +77,15 @@ def through_sdk(base_url: str, model: str, n: int) -> Timeline:
 
 
 def through_bench_client(base_url: str, model: str, n: int) -> Timeline:
-    """The same request with `wafer bench`'s client (httpx and json, no response models)."""
-    import httpx
+    """The same request with `wafer bench`'s client (aiohttp, the JSON parsed after the stream)."""
+    import aiohttp
 
     from wafer.benchmark.client import send
     from wafer.benchmark.runner import run_async
     from wafer.benchmark.workload import Prompt
 
     async def go():  # type: ignore[no-untyped-def]
-        async with httpx.AsyncClient() as client:
+        async with aiohttp.ClientSession() as client:
             return await send(client, base_url, "chat", model, Prompt(PROMPT, None, n), None, True, 300.0)
 
     rec = run_async(go())

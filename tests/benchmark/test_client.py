@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+import aiohttp
+from aiohttp import web
 
 from wafer.benchmark.client import send
 from wafer.benchmark.workload import Prompt
@@ -18,24 +17,32 @@ def _chunk(content: str) -> str:
     return json.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content}}]})
 
 
-def _app(pieces: list[bytes]) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/chat/completions")
-    async def chat():
-        async def body():
-            for p in pieces:
-                yield p
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    return app
-
-
 def _send(pieces: list[bytes]):
+    """`send` against a loopback server that writes `pieces` one by one, each its own TCP write."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for p in pieces:
+            await resp.write(p)
+            await asyncio.sleep(0.002)  # apart, so that the client reads them apart
+        await resp.write_eof()
+        return resp
+
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_app(pieces))) as client:
-            return await send(client, "http://test/v1", "chat", "m", Prompt("hi", None, 8), None, True, 30.0)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await send(session, f"http://127.0.0.1:{port}/v1", "chat", "m", Prompt("hi", None, 8), None,
+                                  True, 30.0)
+        finally:
+            await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -60,3 +67,16 @@ def test_error_event_mid_stream_ends_the_record():
     assert not rec.ok
     assert (rec.error_type, rec.error) == ("server_error", "engine failed")
     assert rec.text == "a"
+
+
+def test_refused_connection_is_an_error_record():
+    from tests.serving import free_port
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            return await send(session, f"http://127.0.0.1:{free_port()}/v1", "chat", "m", Prompt("hi", None, 8), None,
+                              True, 10.0)
+
+    rec = asyncio.run(go())
+    assert not rec.ok and rec.status == 0
+    assert rec.error_type == "ClientConnectorError" and rec.end is not None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 from wafer.benchmark.workload import Prompt
@@ -35,7 +37,7 @@ class RequestRecord:
         return (self.end - self.start) if self.end is not None else None
 
 
-async def send(client: httpx.AsyncClient, base_url: str, endpoint: str, model: str, prompt: Prompt,
+async def send(session: aiohttp.ClientSession, base_url: str, endpoint: str, model: str, prompt: Prompt,
                api_key: str | None, ignore_eos: bool, timeout: float) -> RequestRecord:
     body: dict = {"model": model, "max_tokens": prompt.output_len, "stream": True,
                   "stream_options": {"include_usage": True}, "temperature": 0}
@@ -50,10 +52,10 @@ async def send(client: httpx.AsyncClient, base_url: str, endpoint: str, model: s
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     rec = RequestRecord(time.perf_counter(), prompt.input_len, prompt.output_len)
     try:
-        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:
-            rec.status = r.status_code
-            if r.status_code != 200:
-                raw = await r.aread()
+        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            rec.status = r.status
+            if r.status != 200:
+                raw = await r.read()
                 try:
                     err = json.loads(raw)["error"]
                     rec.error_type, rec.error = err.get("type"), err.get("message")
@@ -66,7 +68,7 @@ async def send(client: httpx.AsyncClient, base_url: str, endpoint: str, model: s
             # measuring costs the server as little CPU as it can.
             events: list[tuple[float, bytes]] = []
             pending = b""
-            async for data in r.aiter_bytes():
+            async for data in r.content.iter_any():
                 now = time.perf_counter()
                 pending = (pending + data).replace(b"\r\n", b"\n")
                 *done, pending = pending.split(b"\n\n")
@@ -81,9 +83,9 @@ async def send(client: httpx.AsyncClient, base_url: str, endpoint: str, model: s
         rec.ok = bool(rec.chunk_times)
         if not rec.ok:
             rec.error_type, rec.error = "empty_response", "the stream carried no content"
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         rec.status = rec.status or 0
-        rec.error_type, rec.error = type(e).__name__, str(e)
+        rec.error_type, rec.error = type(e).__name__, str(e) or type(e).__name__
         rec.end = time.perf_counter()
     return rec
 

@@ -9,7 +9,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 from rich.progress import Progress
 
 from wafer.benchmark.client import RequestRecord, send
@@ -55,10 +55,10 @@ async def run_load(cfg: LoadConfig, prompts: list[Prompt], progress: Progress | 
                    label: str = "") -> tuple[list[RequestRecord], float]:
     """Send the prompts; returns every record and the wall-clock duration."""
     sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
-    limits = httpx.Limits(max_connections=max(cfg.concurrency or 256, 1) + 4, max_keepalive_connections=64)
+    connector = aiohttp.TCPConnector(limit=max(cfg.concurrency or 256, 1) + 4)
     records: list[RequestRecord] = []
     task = progress.add_task(label, total=None if cfg.duration else len(prompts)) if progress else None
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout) as client:
+    async with aiohttp.ClientSession(connector=connector) as client:
 
         async def one(p: Prompt) -> None:
             if sem is not None:

@@ -5,9 +5,8 @@ through `wafer serve` (a subprocess on loopback), streamed, with three clients: 
 (aiohttp on uvloop), the official `openai` SDK, and the standard library's blocking http.client.
 
 The clients run on this same 2-core machine, where the engine's two threads fill both cores, so a
-client's own work on each chunk is taken from the engine's cores (measured against a server of a
-tiny model, in CPU per token: 0.04 ms for http.client, 0.05 for wafer bench's client, 0.25 for the
-SDK). In a deployment the client is elsewhere. So each client runs twice, in a process of its own:
+client's own work on each chunk is taken from the engine's cores (the last column prints each
+client process's CPU per token). In a deployment the client is elsewhere. So each client runs twice, in a process of its own:
 once at the engine's priority, and once at nice 19, where it reads in the engine's idle moments.
 The server's own threads keep their priority in both, so everything the server does per token is
 counted either way.
@@ -27,6 +26,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +48,7 @@ class Timeline:
     arrivals: list[float] = field(default_factory=list)
     end: float = 0.0
     tokens: int = 0
+    cpu: float | None = None  # the client process's CPU seconds for the request (None: the engine row)
 
     def request_rate(self) -> float:
         return self.tokens / (self.end - self.start)
@@ -152,6 +153,14 @@ def engine_runner(compute: str):  # type: ignore[no-untyped-def]
 CLIENTS = {"wafer bench's client": through_bench_client, "openai SDK": through_sdk, "http.client": through_stdlib}
 
 
+def with_cpu(fn: Callable[[str, str, int], Timeline], base_url: str, model: str, n: int) -> Timeline:
+    """`fn`'s request, with the CPU time its process spent on it (run in the client's own process)."""
+    start = time.process_time()
+    t = fn(base_url, model, n)
+    t.cpu = time.process_time() - start
+    return t
+
+
 def main() -> None:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
@@ -177,7 +186,7 @@ def main() -> None:
         for nice, pool in pools.items():
             for client, fn in CLIENTS.items():
                 runs[f"wafer serve + {client}, client at nice {nice}"] = (
-                    lambda n, fn=fn, pool=pool: pool.submit(fn, url, name, n).result())
+                    lambda n, fn=fn, pool=pool: pool.submit(with_cpu, fn, url, name, n).result())
         for run in runs.values():
             run(16)  # warm-up
         rows: dict[str, list[Timeline]] = {k: [] for k in runs}
@@ -202,10 +211,14 @@ def main() -> None:
     print(f"Single-stream decode, default model ({args.quant}), {args.tokens} new tokens, greedy, EOS ignored, "
           f"{THREADS} threads, {args.repeats} rounds taken alternately; rates are medians, ratios the median "
           f"(and range) of each round's ratio to the engine's")
-    print(table(["where", "request tok/s", "vs engine", "decode tok/s", "vs engine", "token gap p99 ms"],
+    def client_cpu(v: list[Timeline]) -> str:
+        return "-" if v[0].cpu is None else f"{1000 * statistics.median(t.cpu / t.tokens for t in v):.3f}"  # type: ignore[operator]
+
+    print(table(["where", "request tok/s", "vs engine", "decode tok/s", "vs engine", "token gap p99 ms",
+                 "client CPU ms/token"],
                 [[k, f"{statistics.median(t.request_rate() for t in v):.1f}", paired(v, Timeline.request_rate),
                   f"{statistics.median(t.decode_rate() for t in v):.1f}", paired(v, Timeline.decode_rate),
-                  f"{statistics.median(t.gap_p99_ms() for t in v):.1f}"] for k, v in rows.items()]))
+                  f"{statistics.median(t.gap_p99_ms() for t in v):.1f}", client_cpu(v)] for k, v in rows.items()]))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from wafer.engine.constraints import GrammarError
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.models.chat_template import TemplateError
 from wafer.server.errors import bad_request
-from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, text_event
+from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, sse, text_event
 from wafer.server.protocol import ChatCompletionRequest
 from wafer.server.tools import (
     ToolStream,
@@ -181,7 +181,7 @@ class ChatHandler(GenerationHandler):
         def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
             if finish is None and logprobs is None and len(delta) == 1 and "content" in delta:
                 return texts[index](delta["content"])  # the chunk of nearly every token
-            return self._sse(event(index, delta, finish, logprobs))
+            return sse(event(index, delta, finish, logprobs))
 
         parsers = [ToolStream() if tools else None for _ in streams]
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.server.errors import bad_request
-from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, text_event
+from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, sse, text_event
 from wafer.server.protocol import CompletionRequest
 
 
@@ -103,7 +103,7 @@ class CompletionHandler(GenerationHandler):
         def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
             if finish is None and logprobs is None:
                 return texts[index](text)  # the chunk of nearly every token
-            return self._sse(event(index, text, finish, logprobs))
+            return sse(event(index, text, finish, logprobs))
 
         def render(c: _Choice, out: SequenceOutput, offset: int) -> list[str]:
             lines = []

@@ -267,18 +267,16 @@ class GenerationHandler:
         b = self.m.tokenizer.token_bytes(tid)
         return b.decode("utf-8", errors="replace"), list(b)
 
-    _sse = staticmethod(sse)
-
     def _error_event(self, e: Exception, rid: str) -> str:
         if self.m.metrics is not None:  # the HTTP status was 200 already; count what it would have been
             self.m.metrics.error(e.status if isinstance(e, APIError) else 500, self.m.names[0])
         if isinstance(e, APIError):
-            return self._sse(e.body())
+            return sse(e.body())
         if isinstance(e, EngineFailure):
             log.error("request %s failed in the engine mid-stream: %s", rid, e)
-            return self._sse(server_error(f"The engine failed while processing the request (request id {rid}).").body())
+            return sse(server_error(f"The engine failed while processing the request (request id {rid}).").body())
         log.error("request %s failed mid-stream: %r", rid, e)
-        return self._sse(server_error(f"Internal error (request id {rid}).").body())
+        return sse(server_error(f"Internal error (request id {rid}).").body())
 
     def _streaming(self, body: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(body, media_type="text/event-stream",
@@ -311,5 +309,5 @@ class GenerationHandler:
             yield self._error_event(e, head["id"])
             return
         if include_usage:
-            yield self._sse({**head, "choices": [], "usage": self._usage(n_prompt, choices)})
+            yield sse({**head, "choices": [], "usage": self._usage(n_prompt, choices)})
         yield "data: [DONE]\n\n"

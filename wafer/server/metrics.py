@@ -36,12 +36,13 @@ class RequestTimer:
     start: float = field(default_factory=time.monotonic)
     first: float | None = None
     last: float | None = None
+    # Resolved once: `labels()` takes a lock and a lookup, and `tokens` runs for every token.
+    _generated: Any = field(init=False, repr=False)
+    _itl: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # Resolved once: `labels()` takes a lock and a lookup, and `tokens` runs for every token.
-        m = self.metrics
-        self._generated = m.generation_tokens.labels(self.model)
-        self._itl = m.itl.labels(self.model)
+        self._generated = self.metrics.generation_tokens.labels(self.model)
+        self._itl = self.metrics.itl.labels(self.model)
 
     def tokens(self, n: int) -> None:
         """Called when a chunk with n new tokens is produced."""

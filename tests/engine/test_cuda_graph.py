@@ -63,3 +63,23 @@ def test_captured_graphs_equal_eager_on_cuda(tmp_path):
         replayed = runner.run(decode_items(seqs))
         torch.testing.assert_close(replayed, eager(*args).cpu(), rtol=2e-2, atol=2e-2)
         advance(seqs, replayed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_engine_on_cuda_gives_the_cpu_greedy_tokens(tmp_path):
+    """The whole engine on the GPU (scheduler, chunked prefill, graph replay, host-side sampling) in
+    float32, against the same engine on the CPU: float32 on both sides, so greedy tokens must agree."""
+    from tests.tiny import make_hf_model
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+
+    path = str(make_hf_model(tmp_path, "llama", seed=5))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        loaded = load_model(path, compute="f32", device=device)
+        engine = LLMEngine(loaded, EngineConfig(max_running=4, max_model_len=128, max_batched_tokens=8))
+        assert (engine.runner.graphed is not None) == (device == "cuda")
+        outputs[device] = [s.output_ids for s in engine.generate(PROMPTS, params)]
+        assert engine.kv.num_used == 0
+    assert outputs["cuda"] == outputs["cpu"]

@@ -222,11 +222,8 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
                 for e in engines:
                     busy |= e.poll()
             if busy:
-                # Two turns, not one: in the first the handlers write what the step produced; the
-                # second finds them waiting again. anyio (under Starlette's streaming responses)
-                # holds back cancelling a task whose wake-up is due, so with one turn a client's
-                # disconnect would never reach a handler that gets a token every step.
-                await asyncio.sleep(0)
+                # One turn of the loop, in which the handlers woken by the step write its tokens out
+                # (their wake-ups were queued before this task's own).
                 await asyncio.sleep(0)
             else:
                 await wake.wait()

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from wafer.engine.constraints import GrammarError
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
@@ -16,6 +16,7 @@ from wafer.models.chat_template import TemplateError
 from wafer.server.errors import bad_request
 from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, sse, text_event
 from wafer.server.protocol import ChatCompletionRequest
+from wafer.server.streaming import EventStreamResponse
 from wafer.server.tools import (
     ToolStream,
     check_schema,
@@ -121,7 +122,7 @@ class ChatHandler(GenerationHandler):
             raise bad_request(f"The conversation cannot be rendered by this model's chat template: {e}",
                               "messages") from None
 
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | EventStreamResponse:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         tools, choice = self._tools(req)

@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.server.errors import bad_request
 from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, sse, text_event
 from wafer.server.protocol import CompletionRequest
+from wafer.server.streaming import EventStreamResponse
 
 
 class CompletionHandler(GenerationHandler):
@@ -29,7 +30,7 @@ class CompletionHandler(GenerationHandler):
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-    async def completions(self, req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    async def completions(self, req: CompletionRequest, request: Request) -> JSONResponse | EventStreamResponse:
         if req.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from wafer.engine.async_engine import (
     AsyncEngine,
@@ -28,6 +27,7 @@ from wafer.models.tokenizer import TextTokenizer
 from wafer.server.errors import APIError, bad_request, server_error
 from wafer.server.metrics import ServerMetrics
 from wafer.server.protocol import _Sampling
+from wafer.server.streaming import EventStreamResponse
 
 log = logging.getLogger("wafer.server")
 _PING = object()  # put in a request's queue when ping_interval passes without an output
@@ -278,9 +278,8 @@ class GenerationHandler:
         log.error("request %s failed mid-stream: %r", rid, e)
         return sse(server_error(f"Internal error (request id {rid}).").body())
 
-    def _streaming(self, body: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(body, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def _streaming(self, body: AsyncIterator[str]) -> EventStreamResponse:
+        return EventStreamResponse(body)
 
     async def _sse_stream(self, streams: list[EngineRequest], head: dict[str, Any], n_prompt: int,
                           include_usage: bool, opening: list[str],

@@ -11,8 +11,12 @@ once at the engine's priority, and once at nice 19, where it reads in the engine
 The server's own threads keep their priority in both, so everything the server does per token is
 counted either way.
 
-Two rates per row, each the median of 9 rounds; a round runs every row once, so that a slow spell of
-this shared machine hits all alike, and the ratios to the engine are taken within each round:
+Two rates per row, each the median of 9 rounds. In a round every client runs once, each run between
+two runs of the engine, and its ratio is to the mean of those two: this shared machine's speed drifts
+from one second to the next, so a run is compared with the engine's runs on either side of it. Each
+measured run comes just after a short request of the same client (or the engine): a process idle for
+seconds here starts its next request tens of milliseconds late, and the target is the speed of a
+server in use.
 - request tok/s: tokens over the whole request, from sending it to reading the last byte. A client
   that reads late is charged for it, so this is the ratio the target is judged on;
 - decode tok/s: the tokens after the first over the time after the first (bench/decode.py's measure).
@@ -23,12 +27,15 @@ client reads in bursts, which shows there and not in the request rate.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import atexit
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -61,10 +68,42 @@ class Timeline:
         return 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
 
 
-def through_sdk(base_url: str, model: str, n: int) -> Timeline:
+# A client is made once per client process and reused for every request, as an application and
+# `wafer bench` do: making one per request cost the client process milliseconds of CPU (an event
+# loop, a session, the SDK's client) while the server was prefilling. Connections are not kept
+# alive: a client's runs are seconds apart, past the server's keep-alive timeout, and reusing a
+# connection the server is closing fails the request.
+@cache
+def _sdk(base_url: str):  # type: ignore[no-untyped-def]
+    import httpx
     from openai import OpenAI
 
-    client = OpenAI(base_url=base_url, api_key="bench", max_retries=0)
+    http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=300)
+    return OpenAI(base_url=base_url, api_key="bench", max_retries=0, http_client=http)
+
+
+@cache
+def _aiohttp():  # type: ignore[no-untyped-def]
+    """An event loop of the client process's own (uvloop where installed) and a session on it."""
+    import aiohttp
+
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+
+    async def session() -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+    client = loop.run_until_complete(session())
+    atexit.register(lambda: loop.run_until_complete(client.close()))
+    return loop, client
+
+
+def through_sdk(base_url: str, model: str, n: int) -> Timeline:
+    client = _sdk(base_url)
     t = Timeline(now())
     for chunk in client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=n, temperature=0, stream=True,
@@ -79,17 +118,11 @@ def through_sdk(base_url: str, model: str, n: int) -> Timeline:
 
 def through_bench_client(base_url: str, model: str, n: int) -> Timeline:
     """The same request with `wafer bench`'s client (aiohttp, the JSON parsed after the stream)."""
-    import aiohttp
-
     from wafer.benchmark.client import send
-    from wafer.benchmark.runner import run_async
     from wafer.benchmark.workload import Prompt
 
-    async def go():  # type: ignore[no-untyped-def]
-        async with aiohttp.ClientSession() as client:
-            return await send(client, base_url, "chat", model, Prompt(PROMPT, None, n), None, True, 300.0)
-
-    rec = run_async(go())
+    loop, session = _aiohttp()
+    rec = loop.run_until_complete(send(session, base_url, "chat", model, Prompt(PROMPT, None, n), None, True, 300.0))
     return Timeline(rec.start, rec.chunk_times, rec.end, rec.usage_completion)  # type: ignore[arg-type]
 
 
@@ -150,6 +183,7 @@ def engine_runner(compute: str):  # type: ignore[no-untyped-def]
     return run
 
 
+ENGINE = "engine, in process"
 CLIENTS = {"wafer bench's client": through_bench_client, "openai SDK": through_sdk, "http.client": through_stdlib}
 
 
@@ -182,42 +216,59 @@ def main() -> None:
         url, name = f"http://127.0.0.1:{args.port}/v1", display_name(None)
         torch.set_num_threads(THREADS)
         engine = engine_runner(args.quant)
-        runs: dict[str, Callable[[int], Timeline]] = {"engine, in process": engine}
+        clients: dict[str, Callable[[int], Timeline]] = {}
         for nice, pool in pools.items():
             for client, fn in CLIENTS.items():
-                runs[f"wafer serve + {client}, client at nice {nice}"] = (
+                clients[f"wafer serve + {client}, client at nice {nice}"] = (
                     lambda n, fn=fn, pool=pool: pool.submit(with_cpu, fn, url, name, n).result())
-        for run in runs.values():
+        def measure(run: Callable[[int], Timeline]) -> Timeline:
+            # A short request first, from the same client: a process idle for seconds on this VM
+            # starts its next request slowly (tens of ms more to the first token, for the engine and
+            # the server alike), and the target is the speed of a server in use, not of its wake-up.
+            run(8)
+            return run(args.tokens)
+
+        for run in [engine, *clients.values()]:
             run(16)  # warm-up
-        rows: dict[str, list[Timeline]] = {k: [] for k in runs}
-        for _ in range(args.repeats):  # alternating, so that a slow spell of the machine hits all alike
-            for key, run in runs.items():
-                rows[key].append(run(args.tokens))
+        rows: dict[str, list[Timeline]] = {ENGINE: [], **{k: [] for k in clients}}
+        # Each client run's engine runs, just before and just after it.
+        around: dict[str, list[tuple[Timeline, Timeline]]] = {k: [] for k in clients}
+        for _ in range(args.repeats):
+            before = measure(engine)
+            rows[ENGINE].append(before)
+            for key, run in clients.items():
+                rows[key].append(measure(run))
+                after = measure(engine)
+                rows[ENGINE].append(after)
+                around[key].append((before, after))
+                before = after
     finally:
         for pool in pools.values():
             pool.shutdown()
         proc.terminate()
         proc.wait(timeout=60)
-    for timelines in rows.values():
-        assert all(t.tokens == args.tokens for t in timelines)
-    base = rows["engine, in process"]
+    for key, timelines in rows.items():
+        if any(t.tokens != args.tokens for t in timelines):
+            raise SystemExit(f"{key}: a request returned {[t.tokens for t in timelines]} tokens, not {args.tokens}")
 
-    def paired(v: list[Timeline], rate: Callable[[Timeline], float]) -> str:
-        """The median over rounds of this row's rate over the engine's in the same round, with the
-        rounds' range: runs a few seconds apart share the machine's mood, runs minutes apart need not."""
-        r = sorted(rate(t) / rate(b) for t, b in zip(v, base))
+    def paired(key: str, rate: Callable[[Timeline], float]) -> str:
+        """The median of this row's runs' rates over the mean rate of the engine runs on either side,
+        with their range."""
+        if key == ENGINE:
+            return "1.00x (1.00-1.00)"
+        r = sorted(rate(t) / ((rate(a) + rate(b)) / 2) for t, (a, b) in zip(rows[key], around[key]))
         return f"{statistics.median(r):.2f}x ({r[0]:.2f}-{r[-1]:.2f})"
 
     print(f"Single-stream decode, default model ({args.quant}), {args.tokens} new tokens, greedy, EOS ignored, "
-          f"{THREADS} threads, {args.repeats} rounds taken alternately; rates are medians, ratios the median "
-          f"(and range) of each round's ratio to the engine's")
+          f"{THREADS} threads, {args.repeats} rounds; rates are medians, ratios the median (and range) of each "
+          f"run's ratio to the mean of the engine runs just before and after it")
     def client_cpu(v: list[Timeline]) -> str:
         return "-" if v[0].cpu is None else f"{1000 * statistics.median(t.cpu / t.tokens for t in v):.3f}"  # type: ignore[operator]
 
     print(table(["where", "request tok/s", "vs engine", "decode tok/s", "vs engine", "token gap p99 ms",
                  "client CPU ms/token"],
-                [[k, f"{statistics.median(t.request_rate() for t in v):.1f}", paired(v, Timeline.request_rate),
-                  f"{statistics.median(t.decode_rate() for t in v):.1f}", paired(v, Timeline.decode_rate),
+                [[k, f"{statistics.median(t.request_rate() for t in v):.1f}", paired(k, Timeline.request_rate),
+                  f"{statistics.median(t.decode_rate() for t in v):.1f}", paired(k, Timeline.decode_rate),
                   f"{statistics.median(t.gap_p99_ms() for t in v):.1f}", client_cpu(v)] for k, v in rows.items()]))
 
 

@@ -2,8 +2,9 @@
 
 `run_engines` is a task on the loop that serves HTTP: between steps it takes new requests and
 aborts, then steps every running sequence together and puts each request's outputs straight into
-its asyncio queue; the handlers write them out before the next step. Callers see an async iterator
-per sequence; leaving it early (a client gone) aborts the sequence before the next step.
+its asyncio queue; the handlers write them out before the next step. A request's queue may be
+shared with others (the choices of one HTTP request), each item then tagged with the request's key.
+A caller that stops reading (a client gone) aborts its requests, which ends them before the next step.
 
 Why not a thread of its own: the engine's compute threads fill the cores, and a step holds the GIL
 while its C++ runs. An engine thread therefore gained no overlap with HTTP, and paid per token for
@@ -18,7 +19,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ class EngineRequest:
     params: SamplingParams
     queue: asyncio.Queue
     tag: str = ""
+    key: int | None = None  # set: items go into the queue as (key, item)
     seq_id: int | None = None
     arrived: float = field(default_factory=time.monotonic)
 
@@ -84,30 +85,17 @@ class AsyncEngine:
         return self._pending == 0 and not self.engine.has_work
 
     # --- requests ---------------------------------------------------------------------------
-    async def stream(self, req: EngineRequest) -> AsyncIterator[SequenceOutput]:
-        """The outputs of a submitted request; leaving early aborts it."""
-        finished = False
-        try:
-            while True:
-                item = await req.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(req)
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str = "") -> EngineRequest:
-        """Queue a request now (admission is decided here, not when its stream is first read)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str = "",
+               queue: asyncio.Queue | None = None, key: int | None = None) -> EngineRequest:
+        """Queue a request now (admission is decided here, not when its outputs are first read). Its
+        outputs, and an exception if it fails, go into `queue` (a new one by default), as (key, item)
+        when `key` is given: requests that share a queue are read by one consumer, with no task
+        between the step and it."""
         if not self.accepting:
             raise EngineStopped("the server is shutting down")
         if self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are already waiting")
-        req = EngineRequest(next(self._rids), list(prompt_ids), params, asyncio.Queue(), tag)
+        req = EngineRequest(next(self._rids), list(prompt_ids), params, queue or asyncio.Queue(), tag, key)
         self._pending += 1
         self._inbox.append(("add", req))
         self._nudge()
@@ -124,7 +112,7 @@ class AsyncEngine:
 
     # --- stepping ---------------------------------------------------------------------------
     def _deliver(self, req: EngineRequest, item: object) -> None:
-        req.queue.put_nowait(item)
+        req.queue.put_nowait(item if req.key is None else (req.key, item))
 
     def _drain_inbox(self) -> None:
         while self._inbox:

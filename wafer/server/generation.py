@@ -129,9 +129,12 @@ class GenerationHandler:
 
     def _submit(self, jobs: list[tuple[list[int], SamplingParams]], rid: str) -> list[EngineRequest]:
         reqs: list[EngineRequest] = []
+        # Several choices share one queue, each output tagged with its choice's index.
+        shared = asyncio.Queue() if len(jobs) > 1 else None
         try:
-            for ids, params in jobs:
-                reqs.append(self.m.engine.submit(ids, params, tag=rid))
+            for i, (ids, params) in enumerate(jobs):
+                reqs.append(self.m.engine.submit(ids, params, tag=rid, queue=shared,
+                                                 key=None if shared is None else i))
         except EngineOverloaded as e:
             for r in reqs:
                 self.m.engine.abort(r)
@@ -149,24 +152,13 @@ class GenerationHandler:
         """(choice index, output or exception) from all requests as they come, timed for the
         metrics; with `ping`, None after a quiet spell of `ping` to 2 `ping` seconds. Leaving early
         aborts every request that has not finished. Per token this costs a queue hop and no task or
-        timer: at a few milliseconds a token, tasks made per item cost a tenth of the speed."""
+        timer: at a few milliseconds a token, tasks made per item cost a tenth of the speed. The
+        requests were submitted onto one queue (see `_submit`), so the outputs of a step reach this
+        consumer in the loop turn that follows it, however many choices there are."""
         engine = self.m.engine
         timer = self.m.metrics.request(self.m.names[0]) if self.m.metrics else None
         last: dict[int, SequenceOutput] = {}
-        tasks = []
-        if len(streams) == 1:  # the common case reads the engine's own queue for the request
-            q, single = streams[0].queue, True
-        else:
-            q, single = asyncio.Queue(), False
-
-            async def pump(i: int, req: EngineRequest) -> None:
-                try:
-                    async for out in engine.stream(req):
-                        q.put_nowait((i, out))
-                except Exception as e:  # handed to the consumer, which decides the status
-                    q.put_nowait((i, e))
-
-            tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(streams)]
+        q, single = streams[0].queue, len(streams) == 1
         loop = asyncio.get_running_loop()
         taken = 0
         ticker: asyncio.TimerHandle | None = None
@@ -202,11 +194,8 @@ class GenerationHandler:
         finally:
             if ticker is not None:
                 ticker.cancel()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             for r in streams:
-                engine.abort(r)  # a no-op for finished ones; covers pumps cancelled before they started
+                engine.abort(r)  # a no-op for finished ones
 
     async def _collect(self, streams: list[EngineRequest], request: Request, rid: str,
                        n_prompt: int) -> list[_Choice] | None:

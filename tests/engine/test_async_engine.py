@@ -1,0 +1,49 @@
+"""AsyncEngine driven by hand (poll, as run_engines does): what each step puts into the requests'
+queues, shared queues tagged per request, and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from wafer.engine.async_engine import AsyncEngine
+from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.sequence import SamplingParams, SequenceOutput
+from wafer.models.loader import load_model
+
+
+def drain(q: asyncio.Queue) -> list:
+    items = []
+    while not q.empty():
+        items.append(q.get_nowait())
+    return items
+
+
+def test_a_step_puts_every_request_output_into_its_queue_tagged_when_shared(tiny_dir):
+    engine = AsyncEngine(LLMEngine(load_model(str(tiny_dir)), EngineConfig(max_running=4, max_model_len=128)))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    shared: asyncio.Queue = asyncio.Queue()
+    first = engine.submit([1, 5, 9, 13], params, queue=shared, key=0)
+    second = engine.submit([1, 7], params, queue=shared, key=1)
+    alone = engine.submit([1, 2, 3], params)
+    assert first.queue is second.queue is shared and alone.queue is not shared
+
+    per_step: list[list] = []
+    while engine.poll():
+        per_step.append(drain(shared))
+        got = drain(alone.queue)
+        assert len(got) == 1 and isinstance(got[0], SequenceOutput)  # untagged
+    assert len(per_step) == 3  # both prompts fit the first step; every step advances both choices
+    for items in per_step:
+        assert sorted(key for key, _ in items) == [0, 1]
+        assert all(isinstance(out, SequenceOutput) for _, out in items)
+    assert all(out.finished for _, out in per_step[-1])
+    assert engine.idle and engine.engine.kv.num_used == 0
+
+
+def test_abort_ends_a_request_before_the_next_step(tiny_dir):
+    engine = AsyncEngine(LLMEngine(load_model(str(tiny_dir)), EngineConfig(max_running=2, max_model_len=128)))
+    req = engine.submit([1, 5, 9], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    assert engine.poll() and engine.num_running == 1
+    engine.abort(req)
+    assert not engine.poll()  # the abort is taken first, so nothing is left to step
+    assert engine.num_running == 0 and engine.engine.kv.num_used == 0

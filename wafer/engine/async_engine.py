@@ -95,7 +95,8 @@ class AsyncEngine:
             raise EngineStopped("the server is shutting down")
         if self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are already waiting")
-        req = EngineRequest(next(self._rids), list(prompt_ids), params, queue or asyncio.Queue(), tag, key)
+        req = EngineRequest(next(self._rids), list(prompt_ids), params,
+                            asyncio.Queue() if queue is None else queue, tag, key)
         self._pending += 1
         self._inbox.append(("add", req))
         self._nudge()

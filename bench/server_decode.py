@@ -27,7 +27,6 @@ client reads in bursts, which shows there and not in the request rate.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import os
 import statistics
@@ -84,15 +83,12 @@ def _sdk(base_url: str):  # type: ignore[no-untyped-def]
 
 @cache
 def _aiohttp():  # type: ignore[no-untyped-def]
-    """An event loop of the client process's own (uvloop where installed) and a session on it."""
+    """An event loop of the client process's own (`wafer bench`'s kind) and a session on it."""
     import aiohttp
 
-    try:
-        import uvloop
+    from wafer.benchmark.runner import new_event_loop
 
-        loop = uvloop.new_event_loop()
-    except ImportError:
-        loop = asyncio.new_event_loop()
+    loop = new_event_loop()
 
     async def session() -> aiohttp.ClientSession:
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))

@@ -18,14 +18,23 @@ from wafer.benchmark.workload import Prompt
 T = TypeVar("T")
 
 
-def run_async(main: Coroutine[Any, Any, T]) -> T:
-    """Run the client's loop on uvloop where it is installed: less of the machine's CPU goes to
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The client's loop: uvloop's where it is installed, so that less of the machine's CPU goes to
     measuring, which matters when the server under test shares it."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 @dataclass

@@ -139,8 +139,8 @@ class ChatHandler(GenerationHandler):
         head = {"id": rid, "created": int(time.time()), "model": req.model, "system_fingerprint": self.m.fingerprint}
         streams = self._submit(jobs, rid)
         if req.stream:
-            return self._streaming(self._chat_stream(streams, head, len(ids), req.include_usage, lp is not None,
-                                                     bool(tools)))
+            return EventStreamResponse(self._chat_stream(streams, head, len(ids), req.include_usage, lp is not None,
+                                                            bool(tools)))
         choices = await self._collect(streams, request, rid, len(ids))
         if choices is None:
             return JSONResponse({}, status_code=499)

@@ -52,8 +52,8 @@ class CompletionHandler(GenerationHandler):
         n_prompt = sum(len(p) for p in prompts)
         streams = self._submit(jobs, rid)
         if req.stream:
-            return self._streaming(self._completion_stream(streams, head, n_prompt, req.include_usage,
-                                                           req.logprobs is not None, echoes))
+            return EventStreamResponse(self._completion_stream(streams, head, n_prompt, req.include_usage,
+                                                                  req.logprobs is not None, echoes))
         choices = await self._collect(streams, request, rid, n_prompt)
         if choices is None:
             return JSONResponse({}, status_code=499)

@@ -27,7 +27,6 @@ from wafer.models.tokenizer import TextTokenizer
 from wafer.server.errors import APIError, bad_request, server_error
 from wafer.server.metrics import ServerMetrics
 from wafer.server.protocol import _Sampling
-from wafer.server.streaming import EventStreamResponse
 
 log = logging.getLogger("wafer.server")
 _PING = object()  # put in a request's queue when ping_interval passes without an output
@@ -266,9 +265,6 @@ class GenerationHandler:
             return sse(server_error(f"The engine failed while processing the request (request id {rid}).").body())
         log.error("request %s failed mid-stream: %r", rid, e)
         return sse(server_error(f"Internal error (request id {rid}).").body())
-
-    def _streaming(self, body: AsyncIterator[str]) -> EventStreamResponse:
-        return EventStreamResponse(body)
 
     async def _sse_stream(self, streams: list[EngineRequest], head: dict[str, Any], n_prompt: int,
                           include_usage: bool, opening: list[str],

@@ -45,6 +45,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 from collections.abc import Iterator  # noqa: E402
 
 from tests.serving import RunningServer, start_server  # noqa: E402
+from wafer.engine.async_engine import release_compute_threads  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,11 +59,15 @@ def server(smollm) -> Iterator[RunningServer]:
 def client(server):
     from openai import OpenAI
 
+    release_compute_threads()  # tests that computed on this thread since would slow the server's steps
+
     return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture()
 def aclient(server):
     from openai import AsyncOpenAI
+
+    release_compute_threads()
 
     return AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

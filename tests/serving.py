@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
+from wafer.engine.async_engine import release_compute_threads
 from wafer.server.app import create_app
 from wafer.server.generation import ServedModel
 from wafer.server.main import EngineServer, build_served
@@ -57,6 +58,7 @@ def serve_app(app, served: ServedModel, *others: ServedModel) -> RunningServer:
     server = EngineServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), [served, *others])
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    release_compute_threads()  # the server's thread computes now (see there)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, 30)
     return RunningServer(base, served, server, thread)

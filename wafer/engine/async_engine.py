@@ -6,10 +6,13 @@ its asyncio queue; the handlers write them out before the next step. A request's
 shared with others (the choices of one HTTP request), each item then tagged with the request's key.
 A caller that stops reading (a client gone) aborts its requests, which ends them before the next step.
 
-Why not a thread of its own: the engine's compute threads fill the cores, and a step holds the GIL
-while its C++ runs. An engine thread therefore gained no overlap with HTTP, and paid per token for
-a self-pipe wake-up, a hand-off of the GIL and a thread switch (bench/server_decode.py measures what
-is left of the server's cost per token).
+Why not a thread of its own, so that HTTP runs while a step computes (a step releases the GIL)?
+The compute threads fill every core, and each of the hundreds of parallel regions in a step waits
+for its slowest thread: HTTP work done during a step preempts one of them and delays the step by as
+much as it would have taken between steps. A client on the same machine, woken by a write made
+mid-step, then costs the step its own time too, where a write made between steps lets it read while
+the engine prepares the next one. Tried: no gain in bench/server_decode.py, and per token 3-4
+context switches of the loop thread (wake-ups, GIL hand-offs) against none here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from wafer.engine.engine import LLMEngine
@@ -220,3 +224,28 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
     finally:
         for e in engines:
             e._wake = None
+
+
+def release_compute_threads() -> None:
+    """Let go of the calling thread's OpenMP worker threads (PyTorch's CPU parallelism), so that
+    another thread's compute runs at full speed.
+
+    libgomp keeps a pool of workers for each thread that has run a parallel region, and while the
+    process has more of them than CPUs, workers stop spinning between regions and sleep at once: a
+    decode step (hundreds of short regions) on a second thread then took ten times as long. So the
+    thread that steps an engine should be the only one to have computed, or the others call this.
+    Their pool comes back if they compute again. A no-op where PyTorch uses another runtime."""
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return
+    path = next((line.split()[-1] for line in maps if line.endswith("/libgomp.so.1")
+                 or "/libgomp-" in line.split()[-1]), None)
+    if path is None:
+        return
+    try:
+        ctypes.CDLL(path).omp_pause_resource_all(1)  # omp_pause_soft
+    except (OSError, AttributeError):
+        pass

@@ -241,8 +241,8 @@ def release_compute_threads() -> None:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return
-    path = next((line.split()[-1] for line in maps if line.endswith("/libgomp.so.1")
-                 or "/libgomp-" in line.split()[-1]), None)
+    # PyTorch's own copy, whatever its file is called (wheels may add a hash to the name).
+    path = next((p for p in (line.split()[-1] for line in maps) if Path(p).name.startswith("libgomp")), None)
     if path is None:
         return
     try:

@@ -72,3 +72,25 @@ def test_logprobs_top_alternatives():
     assert toks == [1]
     assert abs(lps[0].logprob - math.log(0.7)) < 1e-6
     assert [t for t, _ in lps[0].top] == [1, 2]
+
+
+def test_best_is_torch_max_index():
+    """The greedy pick, wafer's kernel where it is built, against torch.max: first of tied maxima, a
+    NaN's index, all -inf rows, lengths around the 16-lane width, 1-D rows and row views."""
+    from wafer.engine.sampler import best
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(3, n, generator=g) for n in (1, 15, 16, 17, 49152)]
+    ties = torch.randint(0, 4, (6, 100), generator=g).float()  # many maxima in each row
+    special = torch.randn(4, 40, generator=g)
+    special[0] = float("-inf")
+    special[1, 7] = float("nan")
+    special[1, 30] = float("inf")
+    special[2, 33] = float("nan")
+    special[2, 2] = float("nan")
+    special[3, :] = 1.0
+    cases += [ties, special, special[:, 5:], torch.randn(2, 64, generator=g)[:, ::2]]
+    for x in cases:
+        assert best(x).tolist() == x.max(dim=-1).indices.tolist(), x.shape
+        assert best(x[0]).item() == x[0].max(dim=-1).indices.item()
+        assert best(x[0]).dim() == 0

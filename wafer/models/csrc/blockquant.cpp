@@ -154,6 +154,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                           torch::Tensor sin, std::vector<torch::Tensor> layers, std::vector<int64_t> out_features,
                           torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
                           int64_t window);  // decode.cpp
+torch::Tensor argmax_rows(torch::Tensor x);  // decode.cpp
 
 // Both run without the GIL, as PyTorch's own operators do: other Python threads of the process (an
 // application that runs the server in a thread, the tests' clients) go on while a step computes.
@@ -161,5 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
     mod.def("decode_step", &decode_step, "one decode step of every layer for a few sequences (decode.cpp)",
             py::call_guard<py::gil_scoped_release>());
     mod.def("block_linear", &block_linear, "x @ W.T, W in 4- or 8-bit blocks of 32 (pack_blocks)",
+            py::call_guard<py::gil_scoped_release>());
+    mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1) (decode.cpp)",
             py::call_guard<py::gil_scoped_release>());
 }

@@ -221,3 +221,70 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
     rms_norm(h.data_ptr<float>(), norm.data_ptr<float>(), xn.data_ptr<float>(), M, hidden, feps);
     return linear(layers, 12 * n_layers, nout[4 * n_layers])(xn);
 }
+
+namespace {
+
+struct Top {
+    int64_t at;  // -1: the range is empty
+    float value;
+    bool nan;
+};
+
+// The first largest value of x[c0, c1) and its index, or the first NaN there (as torch.max treats one).
+Top argmax_range(const float* x, int64_t c0, int64_t c1) {
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 best = neg_inf;
+    __m512i best_at = _mm512_set1_epi32(static_cast<int32_t>(c0));
+    __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)),
+                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (int64_t i = c0; i < c1; i += 16) {
+        const __mmask16 k = tail_mask(c1 - i);
+        const __m512 v = _mm512_mask_loadu_ps(neg_inf, k, x + i);
+        const __mmask16 nan = _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
+        if (nan) return {i + __builtin_ctz(nan), NAN, true};
+        // Strictly greater: each lane keeps its first maximum.
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, gt, v);
+        best_at = _mm512_mask_mov_epi32(best_at, gt, at);
+        at = _mm512_add_epi32(at, sixteen);
+    }
+    if (c1 <= c0) return {-1, -INFINITY, false};
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 is_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    return {_mm512_mask_reduce_min_epi32(is_top, best_at), top, false};
+}
+
+}  // namespace
+
+// The greedy token of each row of logits [M, V]. The columns are split among the threads exactly as
+// block_linear split the vocabulary when it computed them (the same range of 16-column groups, the
+// same grain), so each thread reads the part its own cache holds. PyTorch's max(dim=-1) reads the
+// whole row on one thread: ~75 us a step for a 49152-word row, most of it fetching the other core's
+// half, against ~5 us for the same row in cache.
+torch::Tensor argmax_rows(torch::Tensor x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x: [M, V] float32, rows contiguous");
+    TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31) - 16, "V must be in 1..2^31-17");
+    const int64_t M = x.size(0), V = x.size(1), stride = x.stride(0), G = (V + 15) / 16;
+    const int T = at::get_num_threads();
+    std::vector<Top> parts(static_cast<size_t>(T) * M, Top{-1, -INFINITY, false});
+    const float* X = x.data_ptr<float>();
+    at::parallel_for(0, G, 4, [&](int64_t g0, int64_t g1) {
+        Top* mine = parts.data() + static_cast<int64_t>(at::get_thread_num()) * M;
+        for (int64_t r = 0; r < M; ++r) mine[r] = argmax_range(X + r * stride, 16 * g0, std::min(V, 16 * g1));
+    });
+    auto out = torch::empty({M}, torch::kInt64);
+    int64_t* O = out.data_ptr<int64_t>();
+    for (int64_t r = 0; r < M; ++r) {
+        // Threads hold consecutive column ranges in thread order: the first NaN, else the first maximum.
+        Top best{-1, -INFINITY, false};
+        for (int t = 0; t < T; ++t) {
+            const Top& p = parts[static_cast<size_t>(t) * M + r];
+            if (p.at < 0) continue;
+            if (p.nan) { best = p; break; }
+            if (best.at < 0 || p.value > best.value) best = p;
+        }
+        O[r] = best.at;
+    }
+    return out;
+}

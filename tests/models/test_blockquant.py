@@ -79,3 +79,39 @@ def test_bad_shapes_are_refused():
         k.block_linear(torch.randn(1, 96), packed, 8)  # the weights are for 64 inputs
     with pytest.raises(RuntimeError, match="packed"):
         k.block_linear(torch.randn(1, 64), packed, 40)  # and 8 outputs (one group of 16)
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
+def test_weights_moved_onto_huge_pages_are_the_same_weights():
+    g = torch.Generator().manual_seed(0)
+    tensors = [bq.pack_q4(*bq.quantize_q4(torch.randn(48, 64, generator=g))),
+               bq.pack_q8(*bq.quantize_q8(torch.randn(20, 96, generator=g))),
+               torch.randn(3, 5, generator=g), torch.arange(7, dtype=torch.int64)]
+    moved = bq.onto_huge_pages(tensors)
+    for a, b in zip(tensors, moved):
+        assert b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous() and torch.equal(a, b)
+        assert b.data_ptr() % 64 == 0 and b.data_ptr() != a.data_ptr()
+    assert moved[0].data_ptr() % bq.HUGE_PAGE == 0
+    if bq.kernels() is not None:  # the kernels read the moved records as they did the originals
+        x = torch.randn(2, 64, generator=g)
+        k = bq.kernels()
+        assert torch.equal(k.block_linear(x, moved[0], 48), k.block_linear(x, tensors[0], 48))
+    if _thp_mode() in ("always", "madvise"):
+        # The kernel was asked for 2 MB pages there (whether it found them depends on free memory).
+        start = moved[0].data_ptr()
+        flags = None
+        for line in open("/proc/self/smaps"):
+            if "-" in line.split(" ", 1)[0] and not line.startswith("VmFlags"):
+                lo, hi = (int(v, 16) for v in line.split(" ", 1)[0].split("-"))
+                inside = lo <= start < hi
+            elif line.startswith("VmFlags") and inside:
+                flags = line.split()[1:]
+                break
+        assert flags is not None and "hg" in flags

@@ -133,3 +133,34 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(m, k // QK, QK)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     return (torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(m, k)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def onto_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors, side by side in one buffer that Linux is asked to back with 2 MB pages
+    (transparent huge pages, madvise). A decode step streams every weight once: on 4 KB pages that
+    is ~25,000 pages a step for the default model, far more than the TLB holds, and the kernels
+    stalled on page walks (bench: ~3% more tokens/s on 2 MB pages). Where the system has no such
+    pages, or declines, the copies are plain memory and nothing else changes."""
+    import mmap
+
+    if not tensors or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return list(tensors)
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]  # 64-byte aligned, as PyTorch's own
+    area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass  # no THP on this system: plain pages
+    buf = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    offset = (-buf.data_ptr()) % HUGE_PAGE  # huge pages back only 2 MB-aligned spans
+    out = []
+    for t, size in zip(tensors, sizes):
+        n = t.numel() * t.element_size()
+        view = buf[offset : offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        offset += size
+    return out

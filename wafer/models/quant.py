@@ -99,6 +99,11 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
                 if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
                     # The head reads 8-bit blocks: its output is float32, unlike PyTorch's int8 kernel.
                     setattr(module, name, BlockLinear(child, 8 if name == "lm_head" or path == "q8" else 4))
+        from wafer.models.blockquant import onto_huge_pages
+
+        blocks = [m for m in model.modules() if isinstance(m, BlockLinear)]
+        for m, packed in zip(blocks, onto_huge_pages([m.packed for m in blocks])):
+            m.packed = packed
         return model
     if path != "int8":
         raise ValueError(f"unknown compute path {path!r} (resolve() names the paths that run)")

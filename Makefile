@@ -53,6 +53,7 @@ bench: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python bench/speculative.py --quant f32
 	$(BIN)/python bench/prefix_cache.py
 	$(BIN)/python bench/server_decode.py
+	$(BIN)/python bench/step_parts.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

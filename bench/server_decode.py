@@ -153,14 +153,15 @@ def through_stdlib(base_url: str, model: str, n: int) -> Timeline:
     return t
 
 
-def engine_runner(compute: str):  # type: ignore[no-untyped-def]
-    """The engine in this process, with the server's settings for this request: no prefix cache (each
-    run prefills its whole prompt), ignore_eos, the time of each token as its step returns."""
+def engine_runner(compute: str, loaded=None):  # type: ignore[no-untyped-def]
+    """The engine in this process (on `loaded`, else the default model loaded for `compute`), with
+    the server's settings for this request: no prefix cache (each run prefills its whole prompt),
+    ignore_eos, the time of each token as its step returns."""
     from wafer.engine.engine import EngineConfig, LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
 
-    loaded = load_model(compute=compute)
+    loaded = loaded or load_model(compute=compute)
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=2048, prefix_caching=False))
     ids = loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": PROMPT}]),
                                   add_special_tokens=False)

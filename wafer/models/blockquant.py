@@ -138,11 +138,11 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 HUGE_PAGE = 2 << 20
 
 
-def onto_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def onto_huge_pages(tensors: list[torch.Tensor], advise: bool = True) -> list[torch.Tensor]:
     """Copies of CPU tensors, side by side in one buffer that Linux is asked to back with 2 MB pages
-    (transparent huge pages, madvise). A decode step streams every weight once: on 4 KB pages that
-    is ~25,000 pages a step for the default model, far more than the TLB holds, and the kernels
-    stalled on page walks (bench: ~3% more tokens/s on 2 MB pages). Where the system has no such
+    (transparent huge pages, madvise; `advise=False` leaves the buffer on 4 KB pages, the baseline of
+    bench/step_parts.py). A decode step streams every weight once: on 4 KB pages that is ~25,000
+    pages a step for the default model, far more than the TLB holds. Where the system has no such
     pages, or declines, the copies are plain memory and nothing else changes."""
     import mmap
 
@@ -151,7 +151,8 @@ def onto_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]  # 64-byte aligned, as PyTorch's own
     area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        area.madvise(mmap.MADV_HUGEPAGE)
+        if advise:
+            area.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):
         pass  # no THP on this system: plain pages
     buf = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive

@@ -232,6 +232,7 @@ struct Top {
 
 // The first largest value of x[c0, c1) and its index, or the first NaN there (as torch.max treats one).
 Top argmax_range(const float* x, int64_t c0, int64_t c1) {
+    if (c1 <= c0) return {-1, -INFINITY, false};
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 best = neg_inf;
     __m512i best_at = _mm512_set1_epi32(static_cast<int32_t>(c0));
@@ -249,7 +250,6 @@ Top argmax_range(const float* x, int64_t c0, int64_t c1) {
         best_at = _mm512_mask_mov_epi32(best_at, gt, at);
         at = _mm512_add_epi32(at, sixteen);
     }
-    if (c1 <= c0) return {-1, -INFINITY, false};
     const float top = _mm512_reduce_max_ps(best);
     const __mmask16 is_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
     return {_mm512_mask_reduce_min_epi32(is_top, best_at), top, false};
@@ -259,9 +259,8 @@ Top argmax_range(const float* x, int64_t c0, int64_t c1) {
 
 // The greedy token of each row of logits [M, V]. The columns are split among the threads exactly as
 // block_linear split the vocabulary when it computed them (the same range of 16-column groups, the
-// same grain), so each thread reads the part its own cache holds. PyTorch's max(dim=-1) reads the
-// whole row on one thread: ~75 us a step for a 49152-word row, most of it fetching the other core's
-// half, against ~5 us for the same row in cache.
+// same grain), so each thread reads the part its own cache holds. PyTorch's max(dim=-1) reads every
+// row on one thread (bench/step_parts.py times both).
 torch::Tensor argmax_rows(torch::Tensor x) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x: [M, V] float32, rows contiguous");
     TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31) - 16, "V must be in 1..2^31-17");

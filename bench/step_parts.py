@@ -1,0 +1,110 @@
+"""Two parts of a decode step, each against what it replaced, side by side in one run.
+
+- Weights on 2 MB pages: single-stream decode tokens/s of the default model (q4) with its block
+  weights in the buffer wafer makes (`onto_huge_pages`, advised MADV_HUGEPAGE) against the same
+  buffer left on 4 KB pages. Two engines, run alternately, each run's ratio to the other engine's
+  run next to it; the median of those.
+- The greedy pick: wafer's `argmax_rows` against `torch.max(dim=-1)` on rows of the vocabulary's
+  length, for 1, 16 and 64 rows (decode batches), warm, the median of repeated calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import table  # noqa: E402
+from bench.decode import THREADS  # noqa: E402
+from bench.server_decode import engine_runner  # noqa: E402
+from wafer.models.blockquant import kernels, onto_huge_pages  # noqa: E402
+from wafer.models.loader import load_model  # noqa: E402
+from wafer.models.quant import BlockLinear  # noqa: E402
+
+
+def mapping(ptr: int) -> tuple[list[str], int]:
+    """The VmFlags and AnonHugePages (kB) of the mapping that holds address `ptr`."""
+    inside, huge = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            huge = int(line.split()[1])
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:], huge
+    raise LookupError(hex(ptr))
+
+
+def pages(rounds: int, tokens: int) -> list[list[str]]:
+    on_huge = load_model(compute="q4")
+    on_small = load_model(compute="q4")
+    blocks = [m for m in on_small.model.modules() if isinstance(m, BlockLinear)]
+    for m, packed in zip(blocks, onto_huge_pages([m.packed for m in blocks], advise=False)):
+        m.packed = packed
+    huge = mapping(next(m for m in on_huge.model.modules() if isinstance(m, BlockLinear)).packed.data_ptr())
+    small = mapping(blocks[0].packed.data_ptr())
+    if "hg" in small[0] or small[1]:
+        raise SystemExit("the 4 KB baseline got huge pages anyway")
+    print(f"wafer's buffer: {huge[1] // 1024} MB on 2 MB pages{'' if 'hg' in huge[0] else ' (THP not advised here)'}")
+    runs = {"2 MB pages (wafer)": engine_runner("q4", on_huge), "4 KB pages": engine_runner("q4", on_small)}
+    rates: dict[str, list[float]] = {k: [] for k in runs}
+    for run in runs.values():
+        run(16)  # warm-up
+    for r in range(rounds):
+        for key in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            runs[key](8)  # a short request first, as in bench/server_decode.py
+            rates[key].append(runs[key](tokens).request_rate())
+    base = rates["4 KB pages"]
+    return [[k, f"{statistics.median(v):.1f}", f"{statistics.median(a / b for a, b in zip(v, base)):.3f}x"]
+            for k, v in rates.items()]
+
+
+def argmax(vocab: int) -> list[list[str]]:
+    ext = kernels()
+    rows = []
+    for m in (1, 16, 64):
+        x = torch.randn(m, vocab)
+        if not torch.equal(ext.argmax_rows(x), x.max(dim=-1).indices):
+            raise SystemExit("argmax_rows disagrees with torch.max")
+        times = {}
+        for name, fn in (("torch.max", lambda x=x: x.max(dim=-1).indices), ("argmax_rows", lambda x=x: ext.argmax_rows(x))):
+            for _ in range(20):
+                fn()
+            samples = []
+            for _ in range(200):
+                t = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t)
+            times[name] = statistics.median(samples) * 1e6
+        rows.append([str(m), f"{times['torch.max']:.1f}", f"{times['argmax_rows']:.1f}",
+                     f"{times['torch.max'] / times['argmax_rows']:.2f}x"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    torch.set_num_threads(THREADS)
+    if kernels() is None:
+        raise SystemExit("wafer's kernels are not built on this machine (no AVX-512 VNNI or no compiler)")
+    print(f"Single-stream decode, default model (q4), {args.tokens} new tokens, greedy, EOS ignored, {THREADS} "
+          f"threads, {args.rounds} runs each, alternating; ratio: median of each run's over the 4 KB run beside it")
+    print(table(["block weights on", "tok/s", "vs 4 KB pages"], pages(args.rounds, args.tokens)))
+    print(f"\nGreedy pick over rows of {49152} logits, median of 200 calls, {THREADS} threads")
+    print(table(["rows", "torch.max us", "argmax_rows us", "speed-up"], argmax(49152)))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,10 @@ The same chat prompt, greedy, EOS ignored, 256 new tokens: with the engine in th
 through `wafer serve` (a subprocess on loopback), streamed, with three clients: `wafer bench`'s
 (aiohttp on uvloop), the official `openai` SDK, and the standard library's blocking http.client.
 
+A floor for any server: bench/minimal_server.py, the same engine stepped on an event loop that writes
+each token's event straight to the socket (no framework), read by http.client. What it loses against
+the engine is the cost of streaming over loopback on this machine, not of wafer's HTTP layer.
+
 The clients run on this same 2-core machine, where the engine's two threads fill both cores, so a
 client's own work on each chunk is taken from the engine's cores (the last column prints each
 client process's CPU per token). In a deployment the client is elsewhere. So each client runs twice, in a process of its own:
@@ -30,6 +34,7 @@ import argparse
 import atexit
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -181,6 +186,7 @@ def engine_runner(compute: str, loaded=None):  # type: ignore[no-untyped-def]
 
 
 ENGINE = "engine, in process"
+FLOOR = "minimal server"
 CLIENTS = {"wafer bench's client": through_bench_client, "openai SDK": through_sdk, "http.client": through_stdlib}
 
 
@@ -190,6 +196,16 @@ def with_cpu(fn: Callable[[str, str, int], Timeline], base_url: str, model: str,
     t = fn(base_url, model, n)
     t.cpu = time.process_time() - start
     return t
+
+
+def minimal_server(port: int, quant: str) -> subprocess.Popen:
+    """bench/minimal_server.py on `port`, once it is ready."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("minimal_server.py")), "--port", str(port),
+                             "--quant", quant], stdout=subprocess.PIPE)
+    if proc.stdout is None or proc.stdout.readline().strip() != b"ready":
+        proc.kill()
+        raise RuntimeError("bench/minimal_server.py did not come up")
+    return proc
 
 
 def main() -> None:
@@ -207,10 +223,13 @@ def main() -> None:
 
     # No prefix cache, as in the engine row: every request prefills its whole prompt.
     proc = serve(args.port, ["--quant", args.quant, "--max-running", "1", "--no-prefix-caching"])
+    floor: subprocess.Popen | None = None
     pools = {nice: ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=os.nice, initargs=(nice,))
              for nice in (0, 19)}
     try:
+        floor = minimal_server(args.port + 1, args.quant)
         url, name = f"http://127.0.0.1:{args.port}/v1", display_name(None)
+        floor_url = f"http://127.0.0.1:{args.port + 1}/v1"
         torch.set_num_threads(THREADS)
         engine = engine_runner(args.quant)
         clients: dict[str, Callable[[int], Timeline]] = {}
@@ -218,6 +237,8 @@ def main() -> None:
             for client, fn in CLIENTS.items():
                 clients[f"wafer serve + {client}, client at nice {nice}"] = (
                     lambda n, fn=fn, pool=pool: pool.submit(with_cpu, fn, url, name, n).result())
+            clients[f"{FLOOR} + http.client, client at nice {nice}"] = (
+                lambda n, pool=pool: pool.submit(with_cpu, through_stdlib, floor_url, name, n).result())
         def measure(run: Callable[[int], Timeline]) -> Timeline:
             # A short request first, from the same client: a process idle for seconds on this VM
             # starts its next request slowly (tens of ms more to the first token, for the engine and
@@ -242,8 +263,11 @@ def main() -> None:
     finally:
         for pool in pools.values():
             pool.shutdown()
-        proc.terminate()
-        proc.wait(timeout=60)
+        for p in (proc, floor):
+            if p is None:
+                continue
+            p.terminate()
+            p.wait(timeout=60)
     for key, timelines in rows.items():
         if any(t.tokens != args.tokens for t in timelines):
             raise SystemExit(f"{key}: a request returned {[t.tokens for t in timelines]} tokens, not {args.tokens}")

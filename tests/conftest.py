@@ -45,7 +45,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 from collections.abc import Iterator  # noqa: E402
 
 from tests.serving import RunningServer, start_server  # noqa: E402
-from wafer.engine.async_engine import release_compute_threads  # noqa: E402
+from wafer.engine.compute_threads import release_compute_threads  # noqa: E402
 
 
 @pytest.fixture(scope="session")

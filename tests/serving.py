@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from wafer.engine.async_engine import release_compute_threads
+from wafer.engine.compute_threads import release_compute_threads
 from wafer.server.app import create_app
 from wafer.server.generation import ServedModel
 from wafer.server.main import EngineServer, build_served

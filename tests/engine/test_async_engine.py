@@ -1,16 +1,11 @@
 """AsyncEngine driven by hand (poll, as run_engines does): what each step puts into the requests'
-queues, shared queues tagged per request, and aborts; and release_compute_threads."""
+queues, shared queues tagged per request, and aborts."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 
-import pytest
-import torch
-
-from wafer.engine.async_engine import AsyncEngine, release_compute_threads
+from wafer.engine.async_engine import AsyncEngine
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.models.loader import load_model
@@ -52,31 +47,3 @@ def test_abort_ends_a_request_before_the_next_step(tiny_dir):
     engine.abort(req)
     assert not engine.poll()  # the abort is taken first, so nothing is left to step
     assert engine.num_running == 0 and engine.engine.kv.num_used == 0
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _libgomp() -> bool:
-    try:
-        return "/libgomp" in open("/proc/self/maps").read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _libgomp() or torch.get_num_threads() < 2,
-                    reason="needs PyTorch on libgomp (Linux) and two compute threads")
-def test_release_compute_threads_lets_this_threads_openmp_workers_go():
-    # The workers a parallel region leaves behind are threads of this process: they end on release,
-    # and the next region brings them back.
-    x = torch.randn(4096, 1024)
-    x.exp()
-    with_pool = _threads()
-    release_compute_threads()
-    deadline = time.monotonic() + 5
-    while _threads() >= with_pool and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _threads() == with_pool - (torch.get_num_threads() - 1)
-    x.exp()
-    assert _threads() == with_pool

@@ -23,9 +23,9 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from wafer.engine.compute_threads import ComputeThreads
 from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 
@@ -208,12 +208,17 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
     wake = asyncio.Event()
     for e in engines:
         e._wake = wake
+    # This thread's compute workers: idle between steps, so that what the HTTP work wakes (a client
+    # on this machine) takes their core rather than this thread's (see compute_threads.py).
+    workers = ComputeThreads(torch.get_num_threads())
     try:
         while True:
             busy = False
+            workers.busy()
             with torch.inference_mode():  # entered per turn: the mode must not leak into the handlers
                 for e in engines:
                     busy |= e.poll()
+            workers.idle()
             if busy:
                 # One turn of the loop, in which the handlers woken by the step write its tokens out
                 # (their wake-ups were queued before this task's own).
@@ -222,30 +227,6 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
                 await wake.wait()
                 wake.clear()
     finally:
+        workers.busy()
         for e in engines:
             e._wake = None
-
-
-def release_compute_threads() -> None:
-    """Let go of the calling thread's OpenMP worker threads (PyTorch's CPU parallelism), so that
-    another thread's compute runs at full speed.
-
-    libgomp keeps a pool of workers for each thread that has run a parallel region, and while the
-    process has more of them than CPUs, workers stop spinning between regions and sleep at once: a
-    decode step (hundreds of short regions) on a second thread then took ten times as long. So the
-    thread that steps an engine should be the only one to have computed, or the others call this.
-    Their pool comes back if they compute again. A no-op where PyTorch uses another runtime."""
-    import ctypes
-
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return
-    # PyTorch's own copy, whatever its file is called (wheels may add a hash to the name).
-    path = next((p for p in (line.split()[-1] for line in maps) if Path(p).name.startswith("libgomp")), None)
-    if path is None:
-        return
-    try:
-        ctypes.CDLL(path).omp_pause_resource_all(1)  # omp_pause_soft
-    except (OSError, AttributeError):
-        pass

@@ -1,0 +1,129 @@
+"""The OpenMP worker threads that compute a step beside the thread that steps the engine.
+
+PyTorch's CPU parallelism (and wafer's kernels, through at::parallel_for) runs on libgomp: the
+stepping thread leads a pool of workers, one per further compute thread, that spin for a few
+milliseconds after each parallel region before they sleep. Within a step that is what makes its
+~150 regions cheap. Between steps it keeps a core busy with nothing: on a machine whose cores the
+step fills, the client a server's write wakes then lands on the stepping thread's core and preempts
+it (the write's wake-up says the writer will sleep, and no core looks idle), and the step waits.
+
+`ComputeThreads.idle()` makes the workers SCHED_IDLE between steps: a core that runs only such
+threads counts as idle when the kernel places a woken task, and any other task preempts them at
+once, so the client runs on the spinning worker's core while the server goes on. `busy()` gives
+them back the normal policy before the next step. Leaving SCHED_IDLE needs CAP_SYS_NICE or an
+RLIMIT_NICE that allows nice 0; where the process has neither, the workers are left as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from functools import cache
+from pathlib import Path
+
+
+@cache
+def _libgomp() -> ctypes.CDLL | None:
+    """PyTorch's own copy of libgomp, whatever its file is called (wheels may add a hash to the
+    name); None where PyTorch uses another runtime or it is not loaded."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    path = next((p for p in (line.split()[-1] for line in maps) if Path(p).name.startswith("libgomp")), None)
+    try:
+        return ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
+
+
+def release_compute_threads() -> None:
+    """Let go of the calling thread's OpenMP worker threads, so that another thread's compute runs at
+    full speed.
+
+    libgomp keeps a pool of workers for each thread that has run a parallel region, and while the
+    process has more of them than CPUs, workers stop spinning between regions and sleep at once: a
+    decode step (hundreds of short regions) on a second thread then took ten times as long. So the
+    thread that steps an engine should be the only one to have computed, or the others call this.
+    Their pool comes back if they compute again. A no-op where PyTorch uses another runtime."""
+    gomp = _libgomp()
+    try:
+        if gomp is not None:
+            gomp.omp_pause_resource_all(1)  # omp_pause_soft
+    except AttributeError:
+        pass
+
+
+def worker_ids(threads: int) -> list[int]:
+    """The thread ids of the calling thread's OpenMP workers for `threads` compute threads (the
+    pool a parallel region of PyTorch's on this thread runs on), made if there are none yet."""
+    gomp = _libgomp()
+    if gomp is None or threads < 2:
+        return []
+    seen: set[int] = set()
+
+    # A parallel region of our own, as PyTorch's at::parallel_for opens one: every thread of the
+    # team (the caller and its workers) runs this once. ctypes lets go of the GIL for the call.
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def record(_: int | None) -> None:
+        seen.add(threading.get_native_id())
+
+    try:
+        gomp.GOMP_parallel(record, None, ctypes.c_uint(threads), ctypes.c_uint(0))
+    except AttributeError:
+        return []
+    seen.discard(threading.get_native_id())
+    return sorted(seen)
+
+
+@cache
+def can_leave_idle() -> bool:
+    """Whether a thread of this process may go back from SCHED_IDLE to the normal policy (tried on
+    a thread made for the purpose)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    ok: list[bool] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            ok.append(False)
+
+    t = threading.Thread(target=attempt, name="wafer-sched-probe")
+    t.start()
+    t.join()
+    return ok == [True]
+
+
+class ComputeThreads:
+    """The calling thread's OpenMP workers, to be set idle between steps and busy for them. Made on
+    the thread that steps the engines; does nothing where the workers cannot be found or could not
+    be given their policy back."""
+
+    def __init__(self, threads: int) -> None:
+        self.ids = worker_ids(threads) if can_leave_idle() else []
+        self._idle = False
+
+    def _set(self, policy: int) -> None:
+        alive = []
+        for tid in self.ids:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+                alive.append(tid)
+            except OSError:  # a worker gone (its pool was remade): no longer ours to manage
+                pass
+        self.ids = alive
+
+    def idle(self) -> None:
+        if self.ids and not self._idle:
+            self._set(os.SCHED_IDLE)
+            self._idle = True
+
+    def busy(self) -> None:
+        if self.ids and self._idle:
+            self._set(os.SCHED_OTHER)
+            self._idle = False

@@ -1,11 +1,12 @@
-"""The least a Python server can do per streamed token: a floor to compare `wafer serve` with.
+"""The least a Python server does per streamed token: a baseline to compare `wafer serve` with.
 
 It serves POST /v1/chat/completions, streamed, for one request at a time: wafer's engine stepped on
 a uvloop event loop (as `wafer serve` steps it), and each step's token written to the socket as
-the same server-sent event, straight from the loop: no ASGI, no framework, no queue, no validation.
-bench/server_decode.py runs it beside `wafer serve` with the same client: what this floor loses
-against the engine in process is the cost of streaming over loopback on this machine (the write,
-the client woken, the client's own work), which no server can avoid.
+the same server-sent event, straight from the loop: no ASGI, no framework, no queue, no validation,
+and the compute workers left as PyTorch leaves them. bench/server_decode.py runs it beside `wafer
+serve` with the same client: what it loses against the engine in process is what streaming over
+loopback costs on this machine (the write, the client woken, the client's own work), so that is
+told apart from what wafer's HTTP layer costs.
 
     python bench/minimal_server.py --port 8432 --quant q4
 """

@@ -4,9 +4,9 @@ The same chat prompt, greedy, EOS ignored, 256 new tokens: with the engine in th
 through `wafer serve` (a subprocess on loopback), streamed, with three clients: `wafer bench`'s
 (aiohttp on uvloop), the official `openai` SDK, and the standard library's blocking http.client.
 
-A floor for any server: bench/minimal_server.py, the same engine stepped on an event loop that writes
-each token's event straight to the socket (no framework), read by http.client. What it loses against
-the engine is the cost of streaming over loopback on this machine, not of wafer's HTTP layer.
+A baseline server: bench/minimal_server.py, the same engine stepped on an event loop that writes each
+token's event straight to the socket and does nothing else, read by http.client. What it loses against
+the engine is what streaming over loopback costs on this machine, not what wafer's HTTP layer costs.
 
 The clients run on this same 2-core machine, where the engine's two threads fill both cores, so a
 client's own work on each chunk is taken from the engine's cores (the last column prints each
@@ -186,7 +186,7 @@ def engine_runner(compute: str, loaded=None):  # type: ignore[no-untyped-def]
 
 
 ENGINE = "engine, in process"
-FLOOR = "minimal server"
+FLOOR = "minimal server"  # bench/minimal_server.py
 CLIENTS = {"wafer bench's client": through_bench_client, "openai SDK": through_sdk, "http.client": through_stdlib}
 
 

@@ -2,11 +2,11 @@
 
 It serves POST /v1/chat/completions, streamed, for one request at a time: wafer's engine stepped on
 a uvloop event loop (as `wafer serve` steps it), and each step's token written to the socket as
-the same server-sent event, straight from the loop: no ASGI, no framework, no queue, no validation,
-and the compute workers left as PyTorch leaves them. bench/server_decode.py runs it beside `wafer
-serve` with the same client: what it loses against the engine in process is what streaming over
-loopback costs on this machine (the write, the client woken, the client's own work), so that is
-told apart from what wafer's HTTP layer costs.
+the same server-sent event, straight from the loop: no ASGI, no framework, no queue, no validation.
+Its compute workers are idle between steps as `wafer serve` makes them (engine/compute_threads.py).
+bench/server_decode.py runs it beside `wafer serve` with the same client: what it loses against the
+engine in process is what streaming over loopback costs on this machine (the write, the client
+woken, the client's own work), so that is told apart from what wafer's HTTP layer costs.
 
     python bench/minimal_server.py --port 8432 --quant q4
 """
@@ -32,6 +32,7 @@ def main() -> None:
     import torch
     import uvloop
 
+    from wafer.engine.compute_threads import ComputeThreads
     from wafer.engine.engine import EngineConfig, LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
@@ -40,6 +41,7 @@ def main() -> None:
     loaded = load_model(compute=args.quant)
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=2048, prefix_caching=False))
     busy = asyncio.Lock()
+    workers = ComputeThreads(torch.get_num_threads())  # idle between steps, as `wafer serve` sets them
 
     async def stream(transport: asyncio.WriteTransport, req: dict) -> None:
         def event(data: str) -> None:
@@ -61,7 +63,10 @@ def main() -> None:
             event(before + '""' + after)
             with torch.inference_mode():
                 while not seq.finished:
-                    for out in engine.step():
+                    workers.busy()
+                    outputs = engine.step()
+                    workers.idle()
+                    for out in outputs:
                         if out.text:
                             event(before + json.dumps(out.text, ensure_ascii=False) + after)
                     await asyncio.sleep(0)

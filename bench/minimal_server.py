@@ -36,6 +36,7 @@ def main() -> None:
     from wafer.engine.engine import EngineConfig, LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
+    from wafer.server.generation import TEXT_HOLE, sse, text_event
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     loaded = load_model(compute=args.quant)
@@ -44,23 +45,22 @@ def main() -> None:
     workers = ComputeThreads(torch.get_num_threads())  # idle between steps, as `wafer serve` sets them
 
     async def stream(transport: asyncio.WriteTransport, req: dict) -> None:
-        def event(data: str) -> None:
-            body = f"data: {data}\n\n".encode()
+        def write(event: str) -> None:  # one chunk of the chunked body
+            body = event.encode()
             transport.write(b"%x\r\n%s\r\n" % (len(body), body))
 
         async with busy:
-            text = loaded.chat_template.render(req["messages"])
-            ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+            ids = loaded.tokenizer.encode(loaded.chat_template.render(req["messages"]), add_special_tokens=False)
             seq = engine.add(ids, SamplingParams(max_tokens=req["max_tokens"], temperature=0,
                                                  ignore_eos=bool(req.get("ignore_eos"))))
             transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                             b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
-            head = {"id": "chatcmpl-floor", "object": "chat.completion.chunk", "created": 0, "model": req["model"],
-                    "system_fingerprint": "floor"}
-            hole = json.dumps({**head, "choices": [{"index": 0, "delta": {"content": "\0"}, "logprobs": None,
+            head = {"id": "chatcmpl-minimal", "object": "chat.completion.chunk", "created": 0, "model": req["model"],
+                    "system_fingerprint": "minimal"}
+            # The event wafer serve sends for nearly every token, made the same way.
+            text = text_event({**head, "choices": [{"index": 0, "delta": {"content": TEXT_HOLE}, "logprobs": None,
                                                      "finish_reason": None}], "usage": None})
-            before, after = hole.split('"\\u0000"')
-            event(before + '""' + after)
+            write(text(""))
             with torch.inference_mode():
                 while not seq.finished:
                     workers.busy()
@@ -68,11 +68,11 @@ def main() -> None:
                     workers.idle()
                     for out in outputs:
                         if out.text:
-                            event(before + json.dumps(out.text, ensure_ascii=False) + after)
+                            write(text(out.text))
                     await asyncio.sleep(0)
-            event(json.dumps({**head, "choices": [], "usage": {"prompt_tokens": len(ids),
-                                                               "completion_tokens": len(seq.output_ids)}}))
-            event("[DONE]")
+            write(sse({**head, "choices": [], "usage": {"prompt_tokens": len(ids),
+                                                        "completion_tokens": len(seq.output_ids)}}))
+            write("data: [DONE]\n\n")
             transport.write(b"0\r\n\r\n")
             transport.close()
 

@@ -186,7 +186,7 @@ def engine_runner(compute: str, loaded=None):  # type: ignore[no-untyped-def]
 
 
 ENGINE = "engine, in process"
-FLOOR = "minimal server"  # bench/minimal_server.py
+MINIMAL = "minimal server"  # bench/minimal_server.py
 CLIENTS = {"wafer bench's client": through_bench_client, "openai SDK": through_sdk, "http.client": through_stdlib}
 
 
@@ -223,13 +223,13 @@ def main() -> None:
 
     # No prefix cache, as in the engine row: every request prefills its whole prompt.
     proc = serve(args.port, ["--quant", args.quant, "--max-running", "1", "--no-prefix-caching"])
-    floor: subprocess.Popen | None = None
+    minimal: subprocess.Popen | None = None
     pools = {nice: ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=os.nice, initargs=(nice,))
              for nice in (0, 19)}
     try:
-        floor = minimal_server(args.port + 1, args.quant)
+        minimal = minimal_server(args.port + 1, args.quant)
         url, name = f"http://127.0.0.1:{args.port}/v1", display_name(None)
-        floor_url = f"http://127.0.0.1:{args.port + 1}/v1"
+        minimal_url = f"http://127.0.0.1:{args.port + 1}/v1"
         torch.set_num_threads(THREADS)
         engine = engine_runner(args.quant)
         clients: dict[str, Callable[[int], Timeline]] = {}
@@ -237,8 +237,8 @@ def main() -> None:
             for client, fn in CLIENTS.items():
                 clients[f"wafer serve + {client}, client at nice {nice}"] = (
                     lambda n, fn=fn, pool=pool: pool.submit(with_cpu, fn, url, name, n).result())
-            clients[f"{FLOOR} + http.client, client at nice {nice}"] = (
-                lambda n, pool=pool: pool.submit(with_cpu, through_stdlib, floor_url, name, n).result())
+            clients[f"{MINIMAL} + http.client, client at nice {nice}"] = (
+                lambda n, pool=pool: pool.submit(with_cpu, through_stdlib, minimal_url, name, n).result())
         def measure(run: Callable[[int], Timeline]) -> Timeline:
             # A short request first, from the same client: a process idle for seconds on this VM
             # starts its next request slowly (tens of ms more to the first token, for the engine and
@@ -263,7 +263,7 @@ def main() -> None:
     finally:
         for pool in pools.values():
             pool.shutdown()
-        for p in (proc, floor):
+        for p in (proc, minimal):
             if p is None:
                 continue
             p.terminate()

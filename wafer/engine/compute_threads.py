@@ -23,7 +23,6 @@ from functools import cache
 from pathlib import Path
 
 
-@cache
 def _libgomp() -> ctypes.CDLL | None:
     """PyTorch's own copy of libgomp, whatever its file is called (wheels may add a hash to the
     name); None where PyTorch uses another runtime or it is not loaded."""

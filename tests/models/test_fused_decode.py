@@ -1,4 +1,4 @@
-"""The C++ decode step (q4 path) against the Python model running the same kernels: same logits
+"""The C++ decode step (q4 path), in every kernel variant this CPU runs, against the Python model: same logits
 up to the noise that int8 activations make of float rounding (a 1e-6 change of the embeddings moves
 the logits as much), on the bundled model and on tiny models with a sliding window and QKV bias."""
 
@@ -10,21 +10,24 @@ import torch
 from tests.steps import advance, decode_items, prefill
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
-from wafer.models.blockquant import kernels
+from wafer.models.fused_decode import FusedDecode
+from wafer.models.kernels import load, runnable
 from wafer.models.loader import load_model
 
-pytestmark = pytest.mark.skipif(kernels() is None, reason="no AVX-512 VNNI or no compiler: no fused path")
+VARIANTS = [v.name for v in runnable()]
 # Each of the two is within 0.5 nats of float32 (tests/models/test_quant.py) and equally far from it
 # on average; between them the two noises add up. Measured here: up to 0.41; perturbing the
 # embeddings by 1e-6 moves the Python path's logits as much.
 NATS = 0.6
 
 
-def decode_logits(loaded, prompts: list[list[int]], steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Prefill the prompts, then decode them together; at each step the fused and the Python logits."""
+def decode_logits(loaded, prompts: list[list[int]], steps: int, variant: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill the prompts, then decode them together; at each step the fused (in `variant`) and
+    the Python logits."""
     kv = KVCache(loaded.config, len(prompts), 256)
     runner = ModelRunner(loaded.model, kv)
-    assert runner.fused is not None
+    assert runner.fused is not None  # the active variant's
+    runner.fused = FusedDecode.build(loaded.model, kv.layers, load(variant))
     seqs = prefill(runner, kv, prompts)
     out = []
     for _ in range(steps):
@@ -39,12 +42,13 @@ def decode_logits(loaded, prompts: list[list[int]], steps: int) -> list[tuple[to
     return out
 
 
-def test_bundled_model_fused_step_matches_python(smollm):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bundled_model_fused_step_matches_python(smollm, variant):
     q4 = load_model(compute="q4")
     prompts = [q4.tokenizer.encode(q4.chat_template.render([{"role": "user", "content": q}]),
                                    add_special_tokens=False)
                for q in ("What is the capital of France?", "Write a haiku about snow.", "List three primes.")]
-    for fused, python in decode_logits(q4, prompts, 6):
+    for fused, python in decode_logits(q4, prompts, 6, variant):
         for f, p in zip(fused.log_softmax(-1), python.log_softmax(-1)):
             top = p.topk(10).indices
             assert (f[top] - p[top]).abs().max() < NATS
@@ -53,16 +57,26 @@ def test_bundled_model_fused_step_matches_python(smollm):
 
 @pytest.mark.parametrize("arch,kw", [("mistral", {"sliding_window": 8}), ("qwen2", {}), ("llama", {}),
                                      ("llama", {"hidden_size": 96, "intermediate_size": 192})])  # head size 24
-def test_tiny_models_fused_step_matches_python(tmp_path, arch, kw):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_models_fused_step_matches_python(tmp_path, arch, kw, variant):
     from tests.tiny import make_hf_model
 
     loaded = load_model(str(make_hf_model(tmp_path, arch, seed=3, **kw)), compute="q4")
     prompts = [[1, 5, 9, 13, 200, 7, 7, 42, 300, 12, 14, 15], [1, 88, 77]]
-    for fused, python in decode_logits(loaded, prompts, 14):  # past the window of 8
-        assert (fused - python).abs().max() < 0.02 * python.abs().max()
+    steps = decode_logits(loaded, prompts, 14, variant)  # past the window of 8
+    # Most steps agree to float rounding; in a few, one activation rounds to the next int8 code in
+    # one path and not the other, which moves these random models' logits by up to ~2.5% of their
+    # largest (measured: 0.244 of 10.7). A wrong window or position moves them by 20% or more.
+    close = 0
+    for fused, python in steps:
+        scale = python.abs().max()
+        assert (fused - python).abs().max() < 0.05 * scale
+        close += bool((fused - python).abs().max() < 1e-4 * scale)
+    assert close >= len(steps) // 2
 
 
-def test_fused_step_is_batch_invariant(smollm):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_step_is_batch_invariant(smollm, variant):
     """Each row's arithmetic in the fused step (activation quantisation, the kernels' per-row
     accumulation, its own attention) does not depend on the other rows: a sequence decoded in a
     batch gets bitwise the logits it gets alone."""
@@ -72,6 +86,7 @@ def test_fused_step_is_batch_invariant(smollm):
                for q in ("What is 2+2?", "Name a colour.", "Say hello in French.", "Count to five.")]
     kv = KVCache(q4.config, len(prompts), 256)
     runner = ModelRunner(q4.model, kv)
+    runner.fused = FusedDecode.build(q4.model, kv.layers, load(variant))
     seqs = prefill(runner, kv, prompts)
     for _ in range(3):
         items = decode_items(seqs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from wafer.engine.sequence import Sequence, TokenLogprob
-from wafer.models.blockquant import kernels
+from wafer.models.kernels import kernels
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -1,56 +1,17 @@
-"""Block-quantised weights and wafer's own CPU kernels for them (csrc/blockquant.cpp).
+"""Block-quantised weights in the layout of wafer's own CPU kernels (csrc/blockquant.h).
 
 llama.cpp's block formats, 32 input elements per block: Q4_1 (4-bit codes with a scale and a
 minimum per block) and Q8_0 (8-bit codes with a scale). Quantising a GGUF's Q4_1 or Q8_0 tensor,
 once dequantised, gives back exactly the file's codes (every Q4_1 block holds a 0 and a 15 code,
-every Q8_0 block a +-127), so these paths run the file's own weights. The kernels quantise the
-activations per block to int8 (as llama.cpp does) and use AVX-512 VNNI integer dot products.
-
-The extension is compiled on first use with the machine's g++ (torch.utils.cpp_extension, cached in
-TORCH_EXTENSIONS_DIR) and only on CPUs with AVX-512 VNNI; elsewhere `kernels()` is None and the
-callers keep a stock PyTorch path.
+every Q8_0 block a +-127), so these paths run the file's own weights. The kernels (kernels.py)
+quantise the activations per block to int8 (as llama.cpp does) and use integer dot products.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-from functools import cache
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
 QK = 32
-log = logging.getLogger("wafer.kernels")
-_FLAGS = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("blockquant.cpp", "decode.cpp")]
-
-
-def cpu_supports() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    have = set(flags.split(":", 1)[1].split())
-    return all(f in have for f in _FLAGS)
-
-
-@cache
-def kernels() -> ModuleType | None:
-    """The compiled extension, or None (unsupported CPU, no compiler, WAFER_NO_KERNELS=1)."""
-    if os.environ.get("WAFER_NO_KERNELS") or not cpu_supports():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="wafer_blockquant", sources=[str(p) for p in _SOURCES], verbose=False,
-                    extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                                  "-mavx2", "-mfma", "-mf16c"],
-                    extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - any build failure means: use the stock path
-        log.warning("wafer's CPU kernels could not be built (%s); using PyTorch's", e)
-        return None
 
 
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,7 +49,7 @@ def pack_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
     record]: output channels in groups of 16 (the last padded with zeros) and for each group and
     block of 32 inputs one record: the codes such that each 64 bytes hold four consecutive inputs
     of the 16 channels (4 bits: 32 bytes' low nibbles and the next 32's high ones), then d[16] and
-    m[16]. csrc/blockquant.cpp reads it."""
+    m[16]. csrc/blockquant.h reads it."""
     n, k = codes.shape
     nb, groups = k // QK, -(-n // 16)
     pad = groups * 16 - n

@@ -1,16 +1,18 @@
-"""A whole decode step in one call of wafer's C++ (csrc/decode.cpp), for the `q4` and `q8` compute paths.
+"""A whole decode step in one call of wafer's C++ (csrc/decode.h), for the `q4` and `q8` compute paths.
 
 The Python model stays the definition and the reference: this only gathers its weights (the block
 codes of every BlockLinear, the norms, the rotary tables) once, and the runner uses it for steps of
 at most MAX_ROWS tokens (decode steps, draft verification, short prompt chunks). Anything larger,
-other compute paths and CPUs without the kernels run the Python model.
+other compute paths and WAFER_KERNELS=off run the Python model.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from wafer.models.blockquant import kernels
+from wafer.models.kernels import kernels
 from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
 
@@ -35,10 +37,12 @@ class FusedDecode:
         self.args = (float(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window or 0)
 
     @classmethod
-    def build(cls, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
-        """For the model and its KV cache; None unless every linear layer runs on wafer's block
-        kernels (the q4 and q8 paths)."""
-        ext = kernels()
+    def build(cls, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]],
+              ext: ModuleType | None = None) -> FusedDecode | None:
+        """For the model and its KV cache, on the active kernel variant or `ext` (one of
+        kernels.load()'s); None unless every linear layer runs on wafer's block kernels (the q4 and
+        q8 paths)."""
+        ext = ext or kernels()
         if ext is None:
             return None
         head = _linear(model.lm_head)

@@ -54,8 +54,9 @@ class BlockLinear(nn.Module):
     def __init__(self, linear: nn.Linear, bits: int) -> None:
         super().__init__()
         from wafer.models import blockquant as bq
+        from wafer.models.kernels import kernels
 
-        self.kernels = bq.kernels()
+        self.kernels = kernels()
         self.bias = linear.bias
         self.bits = bits
         self.out_features = linear.out_features
@@ -83,7 +84,7 @@ def resolve(path: str, device: str = "cpu", file_weights: str = "f32") -> str:
     if path not in allowed:
         raise ValueError(f"compute path {path!r} does not run on {kind} (choose from {', '.join(allowed)})")
     if path in ("q4", "q8"):
-        from wafer.models.blockquant import kernels
+        from wafer.models.kernels import kernels
 
         return path if kernels() is not None else "int8"
     return path

@@ -1,0 +1,204 @@
+// Block-quantised matrix products and the greedy pick, written once against simd.h.
+//
+// Weights are llama.cpp's block formats, 32 input elements per block, each block w = d * q + m:
+//   4 bits: codes q in 0..15 with a scale d and a minimum m (GGUF Q4_1)
+//   8 bits: codes q + 128 in 0..255 with m = -128 d, which is GGUF Q8_0 (w = d * q) made unsigned
+// Activations are quantised per block of 32 to int8 with one scale dx (as llama.cpp's Q8_1), so
+//   sum over a block of w x = d dx (sum of codes * x codes) + m (dx * sum of x codes)
+// and the first sum is exact integer work.
+//
+// Layout (blockquant.py, pack_blocks): output channels in groups of 16, and for each group and
+// block one record: the 16 channels' 32 codes, then d[16] and m[16] as float16. The codes are
+// ordered so that each 64 bytes hold four consecutive inputs of all 16 channels: a dot product of
+// those bytes against four of x's bytes broadcast gives 16 outputs' partial sums at once. Every
+// result lane is an output channel, so no horizontal sums are needed, a record is unpacked once for
+// up to eight rows of x, and each thread reads one contiguous run of records.
+//
+// Parallel loops go through WAFER_PARALLEL_FOR (PyTorch's at::parallel_for in the extension, so that
+// they run on PyTorch's own OpenMP workers); without it they run serially.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+#ifndef WAFER_PARALLEL_FOR
+#define WAFER_PARALLEL_FOR(begin, end, grain, fn) (fn)((begin), (end))
+#define WAFER_NUM_THREADS() 1
+#define WAFER_THREAD_NUM() 0
+#endif
+
+namespace wafer {
+
+constexpr int QK = 32;
+constexpr int TILE = 8;  // rows of x that share one unpacking of a record
+
+inline int64_t record_bytes(int bits) { return (bits == 4 ? 256 : 512) + 64; }
+
+struct QuantizedRows {  // x quantised per block of 32, as the kernels read it
+    const int8_t* q;
+    const float* d;    // [rows, nb] scales
+    const float* s;    // [rows, nb] scale * sum of the block's codes
+    const int32_t* n;  // [rows, nb] sum of the block's codes
+    int64_t K, nb;
+};
+
+// x [M, K] -> int8 codes (round to nearest even of x / (max|x| / 127)) with the scales and sums above.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* nx) {
+    const int64_t nb = K / QK;
+    for (int64_t r = 0; r < M; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* p = x + r * K + b * QK;
+            const simd::F a = simd::load(p), c = simd::load(p + 16);
+            const float amax = simd::hmax(simd::max(simd::abs(a), simd::abs(c)));
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const simd::I qa = simd::to_int(a * simd::set1(id)), qc = simd::to_int(c * simd::set1(id));
+            simd::store_i8(qx + r * K + b * QK, qa);
+            simd::store_i8(qx + r * K + b * QK + 16, qc);
+            const int32_t n = simd::isum(qa + qc);
+            dx[r * nb + b] = d;
+            sx[r * nb + b] = d * static_cast<float>(n);
+            nx[r * nb + b] = n;
+        }
+    }
+}
+
+// Y[r, channel groups g0..g1) for R rows of x.
+template <int BITS, int R>
+void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
+    const int64_t rec = record_bytes(BITS);
+    for (int64_t g = g0; g < g1; ++g) {
+        simd::F acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = simd::zero();
+        const uint8_t* p = P + g * nb * rec;
+#pragma GCC unroll 1
+        for (int64_t b = 0; b < nb; ++b, p += rec) {
+            // The next group's record at this block: fetched while this one computes.
+            for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(p + nb * rec + line, 0, 3);
+            simd::W w[8];
+            if constexpr (BITS == 4) {
+                for (int i = 0; i < 4; ++i) {
+                    const simd::W v = simd::wload(p + 64 * i);
+                    w[2 * i] = simd::low_nibbles(v);
+                    w[2 * i + 1] = simd::high_nibbles(v);
+                }
+            } else {
+                for (int j = 0; j < 8; ++j) w[j] = simd::wload(p + 64 * j);
+            }
+            const uint16_t* sc = reinterpret_cast<const uint16_t*>(p + rec - 64);
+            const simd::F d = simd::load_half(sc), m = simd::load_half(sc + 16);
+            // Unrolled, so that the accumulators live in registers.
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const int64_t at = r * nb + b;
+                const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + r * x.K + b * QK);
+                const simd::F dot = simd::to_float(simd::dot_block<BITS == 4>(w, xi, x.n[at]));
+                acc[r] = simd::fma(dot, d * simd::set1(x.d[at]), acc[r]);
+                acc[r] = simd::fma(m, simd::set1(x.s[at]), acc[r]);
+            }
+        }
+        const int64_t n0 = g * 16;
+        for (int r = 0; r < R; ++r) simd::store_n(Y + r * N + n0, acc[r], N - n0);
+    }
+}
+
+template <int BITS>
+void tile_rows(int rows, const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
+    switch (rows) {
+        case 1: return tile<BITS, 1>(P, nb, x, Y, N, g0, g1);
+        case 2: return tile<BITS, 2>(P, nb, x, Y, N, g0, g1);
+        case 3: return tile<BITS, 3>(P, nb, x, Y, N, g0, g1);
+        case 4: return tile<BITS, 4>(P, nb, x, Y, N, g0, g1);
+        case 5: return tile<BITS, 5>(P, nb, x, Y, N, g0, g1);
+        case 6: return tile<BITS, 6>(P, nb, x, Y, N, g0, g1);
+        case 7: return tile<BITS, 7>(P, nb, x, Y, N, g0, g1);
+        default: return tile<BITS, 8>(P, nb, x, Y, N, g0, g1);
+    }
+}
+
+// Y [M, N] = x [M, K] @ W.T for W packed as [ceil(N/16), K/32, record_bytes(bits)].
+inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P, int bits, int64_t N, float* Y) {
+    const int64_t nb = K / QK, G = (N + 15) / 16;
+    // Scratch for x's codes, reused across calls (the engine steps from one thread).
+    thread_local std::vector<int8_t> qbuf;
+    thread_local std::vector<float> dbuf, sbuf;
+    thread_local std::vector<int32_t> nbuf;
+    if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
+    if (static_cast<int64_t>(dbuf.size()) < M * nb) dbuf.resize(M * nb), sbuf.resize(M * nb), nbuf.resize(M * nb);
+    quantize_rows(x, M, K, qbuf.data(), dbuf.data(), sbuf.data(), nbuf.data());
+    // Taken here: inside the loop the names would be other threads' own (empty) buffers.
+    const int8_t* Q = qbuf.data();
+    const float *D = dbuf.data(), *S = sbuf.data();
+    const int32_t* Nx = nbuf.data();
+    WAFER_PARALLEL_FOR(int64_t{0}, G, int64_t{4}, [&](int64_t g0, int64_t g1) {
+        // Every tile of rows over this thread's groups, group by group, so that a group's records
+        // come from memory once and from cache for the other tiles.
+        for (int64_t g = g0; g < g1; ++g)
+            for (int64_t r0 = 0; r0 < M; r0 += TILE) {
+                const QuantizedRows xr{Q + r0 * K, D + r0 * nb, S + r0 * nb, Nx + r0 * nb, K, nb};
+                const int rows = static_cast<int>(std::min<int64_t>(TILE, M - r0));
+                if (bits == 4) tile_rows<4>(rows, P, nb, xr, Y + r0 * N, N, g, g + 1);
+                else tile_rows<8>(rows, P, nb, xr, Y + r0 * N, N, g, g + 1);
+            }
+    });
+}
+
+struct Top {
+    int64_t at;  // -1: the range is empty
+    float value;
+    bool nan;
+};
+
+// The first largest value of x[c0, c1) and its index, or the first NaN there (as torch.max treats one).
+inline Top argmax_range(const float* x, int64_t c0, int64_t c1) {
+    if (c1 <= c0) return {-1, -INFINITY, false};
+    const float neg_inf = -INFINITY;
+    simd::F best = simd::set1(neg_inf);
+    simd::I best_at = simd::iset1(static_cast<int32_t>(c0));
+    for (int64_t i = c0; i < c1; i += 16) {
+        const simd::F v = simd::load_n(x + i, c1 - i, neg_inf);
+        if (simd::any(simd::is_nan(v)))
+            for (int64_t j = i; j < std::min(c1, i + 16); ++j)
+                if (std::isnan(x[j])) return {j, NAN, true};
+        // Strictly greater: each lane keeps its first maximum.
+        const simd::Mask gt = simd::gt(v, best);
+        best = simd::select(gt, v, best);
+        best_at = simd::select(gt, simd::iota(static_cast<int32_t>(i)), best_at);
+    }
+    float vals[16];
+    int32_t idx[16];
+    simd::store(vals, best);
+    simd::istore(idx, best_at);
+    Top top{idx[0], vals[0], false};
+    for (int l = 1; l < 16; ++l)
+        if (vals[l] > top.value || (vals[l] == top.value && idx[l] < top.at)) top = {idx[l], vals[l], false};
+    return top;
+}
+
+// The greedy token of each row of logits [M, V] (row stride `stride`). The columns are split among
+// the threads exactly as block_linear split the vocabulary when it computed them (the same range of
+// 16-column groups, the same grain), so each thread reads the part its own cache holds.
+inline void argmax_rows(const float* X, int64_t M, int64_t V, int64_t stride, int64_t* out) {
+    const int64_t G = (V + 15) / 16;
+    const int T = WAFER_NUM_THREADS();
+    std::vector<Top> parts(static_cast<size_t>(T) * M, Top{-1, -INFINITY, false});
+    WAFER_PARALLEL_FOR(int64_t{0}, G, int64_t{4}, [&](int64_t g0, int64_t g1) {
+        Top* mine = parts.data() + static_cast<int64_t>(WAFER_THREAD_NUM()) * M;
+        for (int64_t r = 0; r < M; ++r) mine[r] = argmax_range(X + r * stride, 16 * g0, std::min(V, 16 * g1));
+    });
+    for (int64_t r = 0; r < M; ++r) {
+        // Threads hold consecutive column ranges in thread order: the first NaN, else the first maximum.
+        Top best{-1, -INFINITY, false};
+        for (int t = 0; t < T; ++t) {
+            const Top& p = parts[static_cast<size_t>(t) * M + r];
+            if (p.at < 0) continue;
+            if (p.nan) { best = p; break; }
+            if (best.at < 0 || p.value > best.value) best = p;
+        }
+        out[r] = best.at;
+    }
+}
+
+}  // namespace wafer

@@ -1,0 +1,197 @@
+// One step of a Llama-family model for a few tokens: every layer, each token at its own (slot,
+// position), whether they are decode steps of different sequences or consecutive tokens of one (a
+// draft to verify, a short prompt chunk): all keys are written before any token attends. At 135M
+// parameters the Python and dispatch cost of ~40 small torch calls per layer is as large as the
+// matrix work; here a step is one call. Matrix products are the block kernels of blockquant.h;
+// norms, rotary embedding, the KV-cache write and attention are plain loops over simd.h.
+// The Python model (llama.py) stays the reference: tests compare the logits of both.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "blockquant.h"
+
+namespace wafer {
+
+// y = rms_norm(x) * w, row by row
+inline void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * n;
+        simd::F acc = simd::zero();
+        for (int64_t i = 0; i < n; i += 16) {
+            const simd::F v = simd::load_n(xr + i, n - i);
+            acc = simd::fma(v, v, acc);
+        }
+        const simd::F inv = simd::set1(1.0f / std::sqrt(simd::sum(acc) / static_cast<float>(n) + eps));
+        float* yr = y + r * n;
+        for (int64_t i = 0; i < n; i += 16)
+            simd::store_n(yr + i, simd::load_n(xr + i, n - i) * inv * simd::load_n(w + i, n - i), n - i);
+    }
+}
+
+// y = silu(gate) * up for rows of [gate | up]
+inline void silu_mul(const float* gu, float* y, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            const simd::F gv = simd::load_n(g + i, inter - i);
+            const simd::F sig = gv / (simd::set1(1.0f) + simd::exp(simd::zero() - gv));
+            simd::store_n(y + r * inter + i, sig * simd::load_n(u + i, inter - i), inter - i);
+        }
+    }
+}
+
+// p[0..n) = exp(p - max p); returns their sum
+inline float softmax_exp(float* p, int64_t n) {
+    simd::F mx = simd::set1(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) mx = simd::max(mx, simd::load_n(p + j, n - j, -INFINITY));
+    const simd::F m = simd::set1(simd::hmax(mx));
+    simd::F total = simd::zero();
+    for (int64_t j = 0; j < n; j += 16) {
+        const simd::F e = simd::keep_n(simd::exp(simd::load_n(p + j, n - j) - m), n - j);
+        simd::store_n(p + j, e, n - j);
+        total = total + e;
+    }
+    return simd::sum(total);
+}
+
+// Rotate-half RoPE of one head vector in place; cos/sin rows hold [freqs, freqs].
+inline void rope(float* v, const float* c, const float* s, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+// q . k over one head; 16 lanes at a time when the head size allows (it is 64 or 128 in practice).
+inline float dot(const float* q, const float* k, int64_t n) {
+    if (n % 16 == 0) {
+        simd::F acc = simd::zero();
+        for (int64_t e = 0; e < n; e += 16) acc = simd::fma(simd::load(q + e), simd::load(k + e), acc);
+        return simd::sum(acc);
+    }
+    float s = 0.0f;
+    for (int64_t e = 0; e < n; ++e) s += q[e] * k[e];
+    return s;
+}
+
+// o = scale * sum_j p[j] v[j] over `count` value rows of size n
+inline void weighted_sum(const float* p, const float* v, int64_t count, float scale, float* o, int64_t n) {
+    if (n == 64) {  // four vectors hold the whole output row
+        simd::F a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < count; ++j) {
+            const simd::F w = simd::set1(p[j]);
+            const float* r = v + j * 64;
+            a0 = simd::fma(w, simd::load(r), a0);
+            a1 = simd::fma(w, simd::load(r + 16), a1);
+            a2 = simd::fma(w, simd::load(r + 32), a2);
+            a3 = simd::fma(w, simd::load(r + 48), a3);
+        }
+        const simd::F s = simd::set1(scale);
+        simd::store(o, a0 * s);
+        simd::store(o + 16, a1 * s);
+        simd::store(o + 32, a2 * s);
+        simd::store(o + 48, a3 * s);
+        return;
+    }
+    for (int64_t e = 0; e < n; ++e) o[e] = 0.0f;
+    for (int64_t j = 0; j < count; ++j)
+        for (int64_t e = 0; e < n; ++e) o[e] += p[j] * v[j * n + e];
+    for (int64_t e = 0; e < n; ++e) o[e] *= scale;
+}
+
+struct Linear {
+    const uint8_t* packed;  // blockquant.h's records
+    int bits;
+    const float* bias;  // nullptr: none
+    int64_t in, out;
+    // y [M, out] = x [M, in] @ W.T (+ bias)
+    void operator()(const float* x, int64_t M, float* y) const {
+        block_linear(x, M, in, packed, bits, out, y);
+        if (bias)
+            for (int64_t r = 0; r < M; ++r)
+                for (int64_t j = 0; j < out; ++j) y[r * out + j] += bias[j];
+    }
+};
+
+struct Layer {
+    const float *input_norm, *post_norm;
+    Linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;  // [slots, kv_heads, max_len, head_dim]
+    int64_t max_len;
+};
+
+struct Dims {
+    int64_t hidden, n_heads, n_kv, head_dim, window;  // window 0: none
+    float eps;
+};
+
+// x [M, hidden]: the tokens' embeddings, at positions pos[M] of slots slot[M]; cos, sin
+// [max_pos, head_dim]. Writes logits [M, head.out].
+inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const float* C,
+                        const float* S, const std::vector<Layer>& layers, const float* final_norm,
+                        const Linear& head, const Dims& dims, float* logits) {
+    const int64_t hidden = dims.hidden, n_heads = dims.n_heads, n_kv = dims.n_kv, head_dim = dims.head_dim;
+    const int64_t group = n_heads / n_kv, q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;
+    const int64_t row = q_dim + 2 * kv_dim;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    std::vector<float> h(x, x + M * hidden), xn(M * hidden), attn(M * q_dim), tmp(M * hidden);
+    std::vector<float> qkv, gu, act;
+    int64_t max_ctx = 0;
+    for (int64_t m = 0; m < M; ++m) max_ctx = std::max(max_ctx, pos[m] + 1);
+    auto add_into_h = [&](const float* y) {
+        for (int64_t i = 0; i < M * hidden; ++i) h[i] += y[i];
+    };
+    for (const Layer& L : layers) {
+        const int64_t slot_stride = n_kv * L.max_len * head_dim, head_stride = L.max_len * head_dim;
+        rms_norm(h.data(), L.input_norm, xn.data(), M, hidden, dims.eps);
+        qkv.resize(M * row);
+        L.qkv(xn.data(), M, qkv.data());
+        for (int64_t m = 0; m < M; ++m) {
+            float* r = qkv.data() + m * row;
+            const float* c = C + pos[m] * head_dim;
+            const float* s = S + pos[m] * head_dim;
+            for (int64_t hd = 0; hd < n_heads + n_kv; ++hd) rope(r + hd * head_dim, c, s, head_dim);
+            for (int64_t kh = 0; kh < n_kv; ++kh) {
+                float* kd = L.k_cache + slot[m] * slot_stride + kh * head_stride + pos[m] * head_dim;
+                float* vd = L.v_cache + slot[m] * slot_stride + kh * head_stride + pos[m] * head_dim;
+                std::memcpy(kd, r + q_dim + kh * head_dim, head_dim * sizeof(float));
+                std::memcpy(vd, r + q_dim + kv_dim + kh * head_dim, head_dim * sizeof(float));
+            }
+        }
+        const float* QKV = qkv.data();
+        float* A = attn.data();
+        WAFER_PARALLEL_FOR(int64_t{0}, M * n_heads, int64_t{1}, [&](int64_t i0, int64_t i1) {
+            std::vector<float> p(max_ctx);
+            for (int64_t i = i0; i < i1; ++i) {
+                const int64_t m = i / n_heads, hq = i % n_heads, kh = hq / group;
+                const float* q = QKV + m * row + hq * head_dim;
+                const float* K = L.k_cache + slot[m] * slot_stride + kh * head_stride;
+                const float* V = L.v_cache + slot[m] * slot_stride + kh * head_stride;
+                const int64_t end = pos[m] + 1, start = dims.window > 0 ? std::max<int64_t>(0, end - dims.window) : 0;
+                for (int64_t j = start; j < end; ++j) p[j] = dot(q, K + j * head_dim, head_dim) * scale;
+                const float total = softmax_exp(p.data() + start, end - start);
+                weighted_sum(p.data() + start, V + start * head_dim, end - start, 1.0f / total,
+                             A + m * q_dim + hq * head_dim, head_dim);
+            }
+        });
+        L.o(attn.data(), M, tmp.data());
+        add_into_h(tmp.data());
+        rms_norm(h.data(), L.post_norm, xn.data(), M, hidden, dims.eps);
+        const int64_t inter = L.gate_up.out / 2;
+        gu.resize(M * 2 * inter);
+        act.resize(M * inter);
+        L.gate_up(xn.data(), M, gu.data());  // [M, 2 inter]: gate then up
+        silu_mul(gu.data(), act.data(), M, inter);
+        L.down(act.data(), M, tmp.data());
+        add_into_h(tmp.data());
+    }
+    rms_norm(h.data(), final_norm, xn.data(), M, hidden, dims.eps);
+    head(xn.data(), M, logits);
+}
+
+}  // namespace wafer

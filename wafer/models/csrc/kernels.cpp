@@ -1,0 +1,102 @@
+// wafer's CPU kernels as a PyTorch extension: the tensors' checks and pointers around blockquant.h
+// and decode.h. kernels.py compiles this one file once per instruction-set variant (simd.h).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#define WAFER_PARALLEL_FOR at::parallel_for
+#define WAFER_NUM_THREADS at::get_num_threads
+#define WAFER_THREAD_NUM at::get_thread_num
+#include "decode.h"
+
+namespace {
+
+int bits_of(const torch::Tensor& packed) {
+    const int64_t rec = packed.size(2);
+    TORCH_CHECK(rec == wafer::record_bytes(4) || rec == wafer::record_bytes(8), "record of 320 (4-bit) or 576 (8-bit) bytes");
+    return rec == wafer::record_bytes(4) ? 4 : 8;
+}
+
+void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
+                packed.size(0) == (n + 15) / 16 && packed.size(1) == k / wafer::QK,
+                "packed: contiguous uint8 [ceil(n/16), K/32, record]");
+}
+
+}  // namespace
+
+// y [M, n] = x [M, K] @ W.T, W packed by blockquant.pack_blocks: uint8 [ceil(n/16), K/32, record].
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [M, K] float32");
+    TORCH_CHECK(x.size(1) % wafer::QK == 0, "K must be a multiple of 32");
+    check_packed(packed, x.size(1), n);
+    auto y = torch::empty({x.size(0), n}, torch::kFloat32);
+    wafer::block_linear(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), bits_of(packed), n,
+                        y.data_ptr<float>());
+    return y;
+}
+
+// x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [max_pos, head_dim].
+// layers: per layer 2 norm weights, 4 linears (qkv, o, gate_up, down) of 2 tensors each (packed
+// blocks, bias or an empty tensor), then the layer's K and V caches [slots, kv_heads, max_len,
+// head_dim]: 12 tensors a layer; after the last layer the output head's 2. out_features: each
+// linear's output size, in the same order. norm: the final norm's weight. Returns logits [M, vocab].
+torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
+                          torch::Tensor sin, std::vector<torch::Tensor> layers, std::vector<int64_t> out_features,
+                          torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                          int64_t window) {
+    TORCH_CHECK(layers.size() % 12 == 2, "12 tensors per layer and 2 for the head");
+    const int64_t n_layers = static_cast<int64_t>(layers.size()) / 12;
+    TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + 1, "an output size per linear");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, hidden] float32");
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
+                positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
+    x = x.contiguous();
+    const int64_t hidden = x.size(1), q_dim = n_heads * head_dim;
+    auto lin = [&](size_t i, int64_t in, int64_t out) {
+        const torch::Tensor& packed = layers[i];
+        check_packed(packed, in, out);
+        const torch::Tensor& bias = layers[i + 1];
+        return wafer::Linear{packed.data_ptr<uint8_t>(), bits_of(packed), bias.numel() ? bias.data_ptr<float>() : nullptr,
+                             in, out};
+    };
+    std::vector<wafer::Layer> ls;
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const size_t b = 12 * l;
+        const int64_t* nout = out_features.data() + 4 * l;
+        torch::Tensor kc = layers[b + 10], vc = layers[b + 11];
+        TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(1) == n_kv && kc.size(3) == head_dim,
+                    "KV caches: contiguous [slots, kv_heads, max_len, head_dim]");
+        ls.push_back({layers[b].data_ptr<float>(), layers[b + 1].data_ptr<float>(), lin(b + 2, hidden, nout[0]),
+                      lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
+                      kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(2)});
+    }
+    const wafer::Linear head = lin(12 * n_layers, hidden, out_features.back());
+    auto logits = torch::empty({x.size(0), head.out}, torch::kFloat32);
+    const wafer::Dims dims{hidden, n_heads, n_kv, head_dim, window, static_cast<float>(eps)};
+    wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                       cos.contiguous().data_ptr<float>(), sin.contiguous().data_ptr<float>(), ls,
+                       norm.data_ptr<float>(), head, dims, logits.data_ptr<float>());
+    return logits;
+}
+
+// The greedy token of each row of logits [M, V] (argmax_rows in blockquant.h).
+torch::Tensor argmax_rows(torch::Tensor x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x: [M, V] float32, rows contiguous");
+    TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31) - 16, "V must be in 1..2^31-17");
+    auto out = torch::empty({x.size(0)}, torch::kInt64);
+    wafer::argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), out.data_ptr<int64_t>());
+    return out;
+}
+
+// All three run without the GIL, as PyTorch's own operators do: other Python threads of the process
+// (an application that runs the server in a thread, the tests' clients) go on while a step computes.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+    mod.attr("variant") = simd::kVariant;
+    mod.def("decode_step", &decode_step, "one step of every layer for a few tokens (decode.h)",
+            py::call_guard<py::gil_scoped_release>());
+    mod.def("block_linear", &block_linear, "x @ W.T, W in 4- or 8-bit blocks of 32 (pack_blocks)",
+            py::call_guard<py::gil_scoped_release>());
+    mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1)",
+            py::call_guard<py::gil_scoped_release>());
+}

@@ -11,9 +11,19 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def smollm():
+    """The bundled model on the compute path `wafer serve` picks on this machine (q4 on wafer's best
+    kernel variant wherever one builds), so that the engine and server tests test what runs."""
     from wafer.models.loader import load_model
 
-    return load_model()
+    return load_model(compute="auto")
+
+
+@pytest.fixture(scope="session")
+def smollm_f32():
+    """The float32 reference path: exact against transformers."""
+    from wafer.models.loader import load_model
+
+    return load_model(compute="f32")
 
 
 @pytest.fixture(scope="session")

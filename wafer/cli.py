@@ -144,6 +144,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("file weights", c.quantization),
         ("device", str(loaded.model.embed_tokens.weight.device)),
         ("compute path", f"{loaded.compute}: {describe(loaded.compute)}"),
+        ("kernels", loaded.kernels + (f"  WARNING: {loaded.warning}" if loaded.warning else "")),
         ("layers", str(c.num_layers)),
         ("hidden size", str(c.hidden_size)),
         ("attention heads", f"{c.num_heads} query, {c.num_kv_heads} KV (head dim {c.head_dim})"),
@@ -190,8 +191,8 @@ def _quant_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=PATHS, default="auto",
                    help="compute path (default auto: the file's own weights on the CPU, q4 for the bundled model; "
                         "bf16 on CUDA): f32 (reference), bf16 (CUDA), int8 (int8 weights per channel, PyTorch's "
-                        "kernel), q8 or q4 (8- or 4-bit blocks, wafer's AVX-512 VNNI kernels; int8 where they "
-                        "cannot be built)")
+                        "kernel), q8 or q4 (8- or 4-bit blocks, wafer's kernels in the best variant the CPU runs, "
+                        "WAFER_KERNELS=NAME forces one; int8 with a warning where they cannot be built)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the model runs (default auto: cuda when a GPU is visible)")
 

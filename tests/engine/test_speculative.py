@@ -92,8 +92,6 @@ def test_ngram_greedy_with_penalties_stop_strings_and_logprobs(smollm, prompts) 
     assert spec.stats.spec.drafts > 0
 
 
-@pytest.mark.skipif(__import__("wafer.models.blockquant", fromlist=["kernels"]).kernels() is None,
-                    reason="no fused q4 path on this CPU")
 def test_ngram_on_the_fused_q4_path_equals_plain(prompts) -> None:
     """q4's int8 activations turn any change of arithmetic into noise-sized logit changes; the fused
     step computes each token alone, so verifying a draft gives bitwise what decoding it would. (A

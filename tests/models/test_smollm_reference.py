@@ -16,7 +16,8 @@ CHATS = [
 ]
 
 
-def test_greedy_tokens_match_transformers(smollm, smollm_hf, hf_tok):
+def test_greedy_tokens_match_transformers(smollm_f32, smollm_hf, hf_tok):
+    smollm = smollm_f32
     eos = smollm.tokenizer.eos_ids[0]
     prompts = []
     for q in CHATS:

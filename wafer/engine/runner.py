@@ -13,7 +13,7 @@ from wafer.models.attention import (
     causal_mask,
     decode_mask,
 )
-from wafer.models.fused_decode import MAX_ROWS, FusedDecode
+from wafer.models.fused_decode import FusedDecode
 from wafer.models.llama import LlamaModel
 
 
@@ -23,7 +23,7 @@ class ModelRunner:
         self.kv = kv
         self.window = model.config.sliding_window
         self.device = kv.layers[0][0].device
-        # One C++ call per decode step where the compute path allows it (q4 with wafer's kernels).
+        # One C++ call per step where the compute path allows it (q4 and q8 on wafer's kernels).
         self.fused = FusedDecode.build(model, kv.layers) if self.device.type == "cpu" else None
         # On a GPU, decode steps of up to 64 sequences replay CUDA graphs.
         self.graphed = (GraphedDecode(model, kv.layers, min(kv.num_slots, 64))
@@ -33,7 +33,7 @@ class ModelRunner:
         """Logits in the order of `scheduled` filtered to those that sample: one row per such item,
         or `rows` rows for an item that asks for more (a draft to verify) (with all_logits: every token, in
         batch order). Single-token items go first so they attend together."""
-        if self.fused is not None and not all_logits and sum(s.count for s in scheduled) <= MAX_ROWS:
+        if self.fused is not None and not all_logits:
             return self._run_fused(scheduled)
         if (self.graphed is not None and not all_logits and len(scheduled) <= self.graphed.max_batch
                 and all(s.count == 1 and s.samples for s in scheduled)):
@@ -90,9 +90,10 @@ class ModelRunner:
         return logits.cpu()
 
     def _run_fused(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """A few tokens in one C++ call. Every token is computed on its own (its row's activations,
-        its own attention over its slot up to its position, after all the step's keys are written), so
-        a draft verified here gives bitwise the logits that decoding it token by token would."""
+        """The step in one C++ call. Every token is computed on its own (its row's activations, its
+        own attention over its slot up to its position, after all the step's keys are written), so
+        a draft verified here gives bitwise the logits that decoding it token by token would, and a
+        prompt's KV entries are the same however it was chunked."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -103,9 +104,9 @@ class ModelRunner:
             slots.extend([item.seq.slot] * item.count)  # type: ignore[list-item]
             if item.samples:
                 rows.extend(range(len(ids) - item.rows, len(ids)))
-        logits = self.fused(  # type: ignore[misc]
+        return self.fused(  # type: ignore[misc]
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long),
+            None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long),
         )
-        return logits if len(rows) == len(ids) else logits[rows]

@@ -1,9 +1,12 @@
-"""A whole decode step in one call of wafer's C++ (csrc/decode.h), for the `q4` and `q8` compute paths.
+"""A whole model step in one call of wafer's C++ (csrc/decode.h), for the `q4` and `q8` compute paths.
 
 The Python model stays the definition and the reference: this only gathers its weights (the block
-codes of every BlockLinear, the norms, the rotary tables) once, and the runner uses it for steps of
-at most MAX_ROWS tokens (decode steps, draft verification, short prompt chunks). Anything larger,
-other compute paths and WAFER_KERNELS=off run the Python model.
+codes of every BlockLinear, the norms, the rotary tables) once, and the runner uses it for every
+step of these paths: decodes, draft verification and prompt chunks. Each token's arithmetic there
+is its own (its activations' quantisation, its attention over its slot up to its position), so a
+token's logits and KV entries do not depend on what else the step holds: a prompt gives bitwise the
+same answer whole or chunked, cached or not, alone or batched, with or without speculation. Other
+compute paths and WAFER_KERNELS=off run the Python model.
 """
 
 from __future__ import annotations
@@ -15,11 +18,6 @@ import torch
 from wafer.models.kernels import kernels
 from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
-
-# Past this many tokens a step is a prompt chunk, whose causal attention is faster in PyTorch's SDPA
-# than in the fused step's per-token loops.
-MAX_ROWS = 64
-
 
 def _linear(mod: object) -> list[torch.Tensor] | None:
     if not isinstance(mod, BlockLinear):
@@ -59,9 +57,12 @@ class FusedDecode:
         return cls(model, ext, flat + head, out_features + [model.lm_head.out_features])
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Logits [M, vocab] for M tokens, each at its own (slot, position)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(rows), vocab] (every token's without `rows`) for M tokens, each at its own
+        (slot, position)."""
         rotary = self.model.rotary
         x = self.model.embed_tokens(input_ids)
+        rows = torch.arange(len(input_ids)) if rows is None else rows
         return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, self.tensors, self.out_features,
-                                    self.model.norm.weight.detach(), *self.args)
+                                    self.model.norm.weight.detach(), *self.args, rows)

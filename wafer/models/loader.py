@@ -31,6 +31,8 @@ class LoadedModel:
     path: Path
     name: str
     compute: str = "f32"  # the compute path (see quant.py)
+    kernels: str = ""  # what runs its matrix products (quant.kernel_report)
+    warning: str | None = None  # why the fast path does not run, where it does not
     num_parameters: int = 0  # counted before a compute path packs weights into buffers
 
 
@@ -215,7 +217,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (a path, or None for the bundled default) for a compute path (quant.py, `auto`
     included) on a device ("cpu" or "cuda"). Raises ModelLoadError."""
-    from wafer.models.quant import PATHS, apply_compute_path, resolve
+    from wafer.models.quant import PATHS, apply_compute_path, kernel_report, resolve
 
     if compute not in PATHS:
         raise ModelLoadError(f"unknown compute path {compute!r} (choose from {', '.join(PATHS)})")
@@ -240,6 +242,7 @@ def load_model(
         loaded.compute = resolve(compute, device, loaded.config.quantization)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
+    loaded.kernels, loaded.warning = kernel_report(loaded.compute, compute, device)
     loaded.model = apply_compute_path(loaded.model, loaded.compute)  # type: ignore[assignment]
     if device != "cpu":
         loaded.model.to(device=device, dtype=torch.bfloat16 if loaded.compute == "bf16" else torch.float32)

@@ -12,10 +12,11 @@ CPU's GEMM is faster. Measured here: about 1.4x the decode speed of f32 for a pe
 1% (bench/quality.py). fbgemm's dynamic int8 (activations quantised per tensor) was tried first and
 rejected: 3.6x the perplexity on the default model.
 `q4`: the blocks' linear layers in 4-bit blocks (llama.cpp's Q4_1) and the output head in 8-bit blocks
-(Q8_0), run by wafer's own AVX-512 VNNI kernels (blockquant.py) at every batch size, prefill
-included: measured here they beat float32 GEMM from 1 row (3.3 ms vs 20 for all the layers) to
-256 (177 ms vs 307). From a Q4_1 GGUF these are the file's own weights. Where the kernels cannot be
-built it falls back to `int8`.
+(Q8_0), run by wafer's own kernels (kernels.py: the best variant of AVX-512, AVX2, NEON or portable
+C++ that the CPU runs) at every batch size, prefill included: measured on AVX-512 they beat float32
+GEMM from 1 row (3.3 ms vs 20 for all the layers) to 256 (177 ms vs 307). From a Q4_1 GGUF these
+are the file's own weights. With WAFER_KERNELS=off, or where they could not be built, it falls back
+to `int8`, with a warning (kernel_report).
 `q8`: every linear layer in 8-bit blocks (Q8_0) on the same kernels: near-lossless, half of q4's speed.
 """
 
@@ -120,7 +121,22 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
 def describe(path: str) -> str:
     return {"f32": "float32 (dense, dequantised at load)",
             "bf16": "bfloat16 (dense), decode steps replayed from CUDA graphs",
-            "q8": "8-bit blocks (Q8_0) for every layer, int8 activations, wafer's AVX-512 VNNI kernels",
+            "q8": "8-bit blocks (Q8_0) for every layer, int8 activations, wafer's kernels",
             "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill",
             "q4": "4-bit blocks (Q4_1) for the layers, 8-bit blocks (Q8_0) for the head, int8 activations, "
-                  "wafer's AVX-512 VNNI kernels"}[path]
+                  "wafer's kernels"}[path]
+
+
+def kernel_report(path: str, requested: str = "auto", device: str = "cpu") -> tuple[str, str | None]:
+    """(what runs a resolved path's matrix products, a warning or None). The warning says why
+    wafer's kernels do not run, or not their best variant, where the path would use them."""
+    if device.startswith("cuda"):
+        return "PyTorch CUDA", None
+    from wafer.models import kernels
+
+    s = kernels.status()
+    cpu = kernels.features_line()
+    if path in ("q4", "q8"):
+        return f"wafer {s.variant} ({cpu})", s.problem
+    wanted_blocks = requested in ("q4", "q8") or (requested == "auto" and path == "int8")
+    return f"PyTorch ({cpu})", s.problem if wanted_blocks else None

@@ -221,7 +221,10 @@ def create_app(
         ok = all(m.engine.accepting for m in served_list)
         return JSONResponse({"status": "ok" if ok else "draining",
                              "running": sum(m.engine.num_running for m in served_list),
-                             "waiting": sum(m.engine.num_waiting for m in served_list)},
+                             "waiting": sum(m.engine.num_waiting for m in served_list),
+                             "models": [{"name": m.names[0], **m.compute} for m in served_list],
+                             "warnings": [f"{m.names[0]}: {m.compute['warning']}" for m in served_list
+                                          if m.compute.get("warning")]},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

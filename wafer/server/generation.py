@@ -57,6 +57,8 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     ping_interval: float = 10.0
     metrics: ServerMetrics | None = None
+    # the compute path, what runs its matrix products, and a warning where that is not the fastest
+    compute: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass

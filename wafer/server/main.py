@@ -48,6 +48,7 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_wa
         chat_template=loaded.chat_template,
         max_model_len=engine.max_model_len,
         fingerprint=f"fp_{digest[:10]}",
+        compute={"path": loaded.compute, "kernels": loaded.kernels, "warning": loaded.warning},
     )
 
 
@@ -200,5 +201,9 @@ def serve(args: argparse.Namespace) -> int:
     tiers = ", ".join(f"{t} -> {' | '.join(v)}" for t, v in cfg.tiers.items())
     print(f"wafer {__version__} serving on http://{host}:{args.port}/v1: models {', '.join(cfg.models)}; "
           f"tiers {tiers}; names {', '.join(router.names)}", file=sys.stderr, flush=True)
+    for m in served:
+        print(f"  {m.names[0]}: compute path {m.compute['path']} on {m.compute['kernels']}", file=sys.stderr, flush=True)
+        if m.compute["warning"]:
+            print(f"  WARNING {m.names[0]}: {m.compute['warning']}", file=sys.stderr, flush=True)
     server.run()  # on this thread, which loaded the models and so owns their compute threads
     return 0

@@ -131,10 +131,11 @@ struct Dims {
 };
 
 // x [M, hidden]: the tokens' embeddings, at positions pos[M] of slots slot[M]; cos, sin
-// [max_pos, head_dim]. Writes logits [M, head.out].
+// [max_pos, head_dim]. Writes logits [n_out, head.out] for the rows out[0..n_out) (a prompt chunk
+// samples from its last token only, and the head is a fifth of a small model's weights).
 inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const float* C,
                         const float* S, const std::vector<Layer>& layers, const float* final_norm,
-                        const Linear& head, const Dims& dims, float* logits) {
+                        const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits) {
     const int64_t hidden = dims.hidden, n_heads = dims.n_heads, n_kv = dims.n_kv, head_dim = dims.head_dim;
     const int64_t group = n_heads / n_kv, q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;
     const int64_t row = q_dim + 2 * kv_dim;
@@ -190,8 +191,9 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
         L.down(act.data(), M, tmp.data());
         add_into_h(tmp.data());
     }
-    rms_norm(h.data(), final_norm, xn.data(), M, hidden, dims.eps);
-    head(xn.data(), M, logits);
+    for (int64_t i = 0; i < n_out; ++i)
+        rms_norm(h.data() + out[i] * hidden, final_norm, xn.data() + i * hidden, 1, hidden, dims.eps);
+    head(xn.data(), n_out, logits);
 }
 
 }  // namespace wafer

@@ -40,11 +40,12 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 // layers: per layer 2 norm weights, 4 linears (qkv, o, gate_up, down) of 2 tensors each (packed
 // blocks, bias or an empty tensor), then the layer's K and V caches [slots, kv_heads, max_len,
 // head_dim]: 12 tensors a layer; after the last layer the output head's 2. out_features: each
-// linear's output size, in the same order. norm: the final norm's weight. Returns logits [M, vocab].
+// linear's output size, in the same order. norm: the final norm's weight. Returns logits
+// [len(logit_rows), vocab] for those rows of x (none when it is empty: a prompt chunk before the last).
 torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
                           torch::Tensor sin, std::vector<torch::Tensor> layers, std::vector<int64_t> out_features,
                           torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                          int64_t window) {
+                          int64_t window, torch::Tensor logit_rows) {
     TORCH_CHECK(layers.size() % 12 == 2, "12 tensors per layer and 2 for the head");
     const int64_t n_layers = static_cast<int64_t>(layers.size()) / 12;
     TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + 1, "an output size per linear");
@@ -72,11 +73,15 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                       kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(2)});
     }
     const wafer::Linear head = lin(12 * n_layers, hidden, out_features.back());
-    auto logits = torch::empty({x.size(0), head.out}, torch::kFloat32);
+    TORCH_CHECK(logit_rows.scalar_type() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows: [R] int64");
+    logit_rows = logit_rows.contiguous();
+    const int64_t* rows = logit_rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_rows.numel(); ++i) TORCH_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "logit_rows: a row of x");
+    auto logits = torch::empty({logit_rows.numel(), head.out}, torch::kFloat32);
     const wafer::Dims dims{hidden, n_heads, n_kv, head_dim, window, static_cast<float>(eps)};
     wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                        cos.contiguous().data_ptr<float>(), sin.contiguous().data_ptr<float>(), ls,
-                       norm.data_ptr<float>(), head, dims, logits.data_ptr<float>());
+                       norm.data_ptr<float>(), head, dims, rows, logit_rows.numel(), logits.data_ptr<float>());
     return logits;
 }
 

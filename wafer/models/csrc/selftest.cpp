@@ -440,6 +440,59 @@ void test_rms_norm() {
     }
 }
 
+void test_silu_mul() {
+    Rng rng(7);
+    for (int64_t inter : {37, 128}) {
+        const int64_t rows = 2;
+        std::vector<float> gu(rows * 2 * inter), y(rows * inter + 16, 12345.0f);
+        for (auto& a : gu) a = static_cast<float>(4.0 * rng.normal());
+        gu[0] = -100.0f, gu[1] = 100.0f;  // exp's argument beyond its clamp
+        wafer::silu_mul(gu.data(), y.data(), rows, inter);
+        std::vector<double> want(rows * inter);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < inter; ++i) {
+                const double g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
+                want[r * inter + i] = g / (1.0 + std::exp(-g)) * u;
+            }
+        const double err = row_error(y.data(), want.data(), rows, inter);
+        const bool tail = untouched(y, rows * inter);
+        check(err < 1e-6 && tail, "silu_mul inter=%lld: max error %.2e of the row's largest (tol 1e-6)%s", static_cast<long long>(inter), err,
+              tail ? "" : ", wrote past the rows");
+    }
+}
+
+// dot and weighted_sum, each of which has a vector path for some head sizes (16k, and 64) and a
+// scalar one for the others; the decode_step below has head_dim 16.
+void test_attention_parts() {
+    Rng rng(6);
+    for (int64_t n : {16, 24, 64, 128}) {
+        const int64_t count = 7;
+        std::vector<float> q(n), v(count * n), p(count), o(n + 16, 12345.0f);
+        for (auto& a : q) a = static_cast<float>(rng.normal());
+        for (auto& a : v) a = static_cast<float>(rng.normal());
+        for (auto& a : p) a = static_cast<float>(rng.uniform());
+        double dot_err = 0.0;
+        for (int64_t j = 0; j < count; ++j) {
+            double want = 0.0, size = 0.0;
+            for (int64_t e = 0; e < n; ++e) want += static_cast<double>(q[e]) * v[j * n + e], size += std::fabs(q[e] * v[j * n + e]);
+            dot_err = std::max(dot_err, std::fabs(wafer::dot(q.data(), v.data() + j * n, n) - want) / size);
+        }
+        const float scale = 0.37f;
+        wafer::weighted_sum(p.data(), v.data(), count, scale, o.data(), n);
+        double ws_err = 0.0;
+        for (int64_t e = 0; e < n; ++e) {
+            double want = 0.0, size = 0.0;
+            for (int64_t j = 0; j < count; ++j) want += static_cast<double>(p[j]) * v[j * n + e] * scale, size += std::fabs(p[j] * v[j * n + e] * scale);
+            const double err = std::fabs(o[e] - want) / size;
+            ws_err = std::isnan(err) ? INFINITY : std::max(ws_err, err);
+        }
+        const bool tail = untouched(o, n);
+        check(dot_err < 1e-6 && ws_err < 1e-6 && tail,
+              "dot, weighted_sum n=%lld: max error %.2e, %.2e of the sum of |terms| (tol 1e-6)%s", static_cast<long long>(n), dot_err,
+              ws_err, tail ? "" : ", wrote past n");
+    }
+}
+
 // ---- decode_step against a scalar model ---------------------------------------------------------------
 
 struct Model {
@@ -695,6 +748,8 @@ int main() {
     test_exp();
     test_softmax();
     test_rms_norm();
+    test_silu_mul();
+    test_attention_parts();
     test_decode_step();
     if (failures) std::printf("FAILED: %d of %d checks (%s)\n", failures, checks, simd::kVariant);
     else std::printf("passed: all %d checks (%s)\n", checks, simd::kVariant);

@@ -32,7 +32,16 @@ $(CHROMIUM_STAMP): $(STAMP)
 	  || echo "warning: chromium could not be installed; the dashboard test will be skipped"
 	touch $(CHROMIUM_STAMP)
 
-test: $(STAMP) $(CHROMIUM_STAMP)
+# The NEON kernel variants are built with Debian's aarch64 cross compiler and run under qemu-user in
+# tests/models/test_kernels_selftest.py on x86 machines; install them where we can.
+ARM_STAMP := $(VENV)/.arm_cross
+$(ARM_STAMP): $(STAMP)
+	if [ "$$(uname -m)" = x86_64 ]; then (command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1) \
+	  || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user) \
+	  || echo "warning: no aarch64 cross compiler or qemu-user; the NEON kernel tests will be skipped"; fi
+	touch $(ARM_STAMP)
+
+test: $(STAMP) $(CHROMIUM_STAMP) $(ARM_STAMP)
 	$(BIN)/python -m pytest -q
 
 # llama-cpp-python is the baseline of the benches, built from source for this machine (about 5 minutes

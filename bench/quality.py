@@ -70,10 +70,12 @@ def main() -> None:
         ppl = perplexity(loaded, ids, args.window, args.step)
         secs = time.perf_counter() - t0
         ref = ref or ppl
-        rows.append([path, f"{len(ids)}", f"{ppl:.4f}", f"{ppl / ref:.4f}", f"{len(ids) / secs:.0f}"])
+        # What really ran: the resolved path and its kernels (a q4 that fell back says int8 here).
+        rows.append([path, loaded.compute, loaded.kernels, f"{len(ids)}", f"{ppl:.4f}", f"{ppl / ref:.4f}",
+                     f"{len(ids) / secs:.0f}"])
         del loaded
     print(f"Perplexity on pydoc_data.topics, windows of {args.window} tokens, {args.step} tokens per forward pass")
-    print(table(["compute path", "tokens", "perplexity", "vs f32", "scored tok/s"], rows))
+    print(table(["asked", "ran", "kernels", "tokens", "perplexity", "vs f32", "scored tok/s"], rows))
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits in the order of `scheduled` filtered to those that sample: one row per such item,
         or `rows` rows for an item that asks for more (a draft to verify) (with all_logits: every token, in
-        batch order). Single-token items go first so they attend together."""
-        if self.fused is not None and not all_logits:
-            return self._run_fused(scheduled)
+        batch order: the order of `scheduled` on the fused path; elsewhere single-token items go first so
+        they attend together)."""
+        if self.fused is not None:
+            return self._run_fused(scheduled, all_logits)
         if (self.graphed is not None and not all_logits and len(scheduled) <= self.graphed.max_batch
                 and all(s.count == 1 and s.samples for s in scheduled)):
             logits = self.graphed([s.input_ids()[0] for s in scheduled], [s.start for s in scheduled],
@@ -89,7 +90,7 @@ class ModelRunner:
         )
         return logits.cpu()
 
-    def _run_fused(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def _run_fused(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """The step in one C++ call. Every token is computed on its own (its row's activations, its
         own attention over its slot up to its position, after all the step's keys are written), so
         a draft verified here gives bitwise the logits that decoding it token by token would, and a
@@ -108,5 +109,5 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long),
-            None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long),
+            None if all_logits or len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long),
         )

@@ -25,7 +25,7 @@
 #include "simd.h"
 
 #ifndef WAFER_PARALLEL_FOR
-#define WAFER_PARALLEL_FOR(begin, end, grain, fn) (fn)((begin), (end))
+#define WAFER_PARALLEL_FOR(begin, end, grain, ...) (__VA_ARGS__)((begin), (end))
 #define WAFER_NUM_THREADS() 1
 #define WAFER_THREAD_NUM() 0
 #endif

@@ -1,0 +1,31 @@
+"""Quality held by a test: each compute path's perplexity on held text (Python's own pydoc topics,
+which the model was not tuned on) at most 2% above float32's on the same model and tokens.
+bench/quality.py prints the same figures on 20k tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.quality import corpus_ids, perplexity
+from wafer.models.loader import load_model
+
+TOKENS = 1024
+WINDOW = 512
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_f32) -> tuple[list[int], float]:
+    ids = corpus_ids(smollm_f32.tokenizer, TOKENS)
+    return ids, perplexity(smollm_f32, ids, WINDOW, WINDOW)
+
+
+# int8 runs its int8 kernel only for batches under 32 rows (prefill-sized ones stay float32), hence
+# steps of 16 there; q4 and q8 run every step on wafer's kernels.
+@pytest.mark.parametrize("path,step", [("int8", 16), ("q8", WINDOW), ("q4", WINDOW)])
+def test_compute_path_perplexity_within_two_percent_of_f32(reference, path, step):
+    ids, ref = reference
+    loaded = load_model(compute=path)
+    assert loaded.compute == path, loaded.warning
+    ppl = perplexity(loaded, ids, WINDOW, step)
+    assert 5 < ref < 50  # the reference itself is sane for this model and text
+    assert ppl <= 1.02 * ref, (path, loaded.kernels, ppl, ref)

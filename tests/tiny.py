@@ -53,6 +53,16 @@ def make_hf_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) ->
     return out
 
 
+def with_generation_config(hf_dir: Path, out: Path, config: dict) -> Path:
+    """A copy of the model in `hf_dir` with `config` as its generation_config.json."""
+    import json
+    import shutil
+
+    shutil.copytree(hf_dir, out)
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return out
+
+
 def _quantised(arr: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         # The gguf package cannot quantise to K-quants; random blocks with sane scales are valid.
@@ -79,8 +89,10 @@ def _smollm_tokenizer_fields() -> dict:
     return {k: f[k].contents() for k in keys}
 
 
-def hf_to_gguf(hf_dir: Path, out: Path, qtype: GGMLQuantizationType = Q.F32, seed: int = 0) -> Path:
-    """Write the model in `hf_dir` as GGUF the way llama.cpp's converter lays it out."""
+def hf_to_gguf(hf_dir: Path, out: Path, qtype: GGMLQuantizationType = Q.F32, seed: int = 0,
+               kv: dict[str, float | int] | None = None) -> Path:
+    """Write the model in `hf_dir` as GGUF the way llama.cpp's converter lays it out; `kv`: more
+    metadata (ints as int32 and floats as float32, as llama.cpp writes general.sampling.*)."""
     import json
 
     from safetensors.torch import load_file
@@ -112,6 +124,8 @@ def hf_to_gguf(hf_dir: Path, out: Path, qtype: GGMLQuantizationType = Q.F32, see
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(f["tokenizer.chat_template"])
+    for key, value in (kv or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
     rng = np.random.default_rng(seed)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}

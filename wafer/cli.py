@@ -132,6 +132,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from wafer.models.loader import resolve_path
 
     path = resolve_path(args.model)
+    from wafer.models.generation_defaults import describe as describe_sampling
     from wafer.models.quant import describe
 
     loaded = load_with_progress(args.model, quiet=True, compute=args.quant, device=args.device)
@@ -155,6 +156,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("sliding window", str(c.sliding_window) if c.sliding_window else "none"),
         ("tied embeddings", str(c.tie_word_embeddings).lower()),
         ("chat template", "model's own" if loaded.tokenizer.chat_template else "default (ChatML)"),
+        ("sampling defaults", f"{describe_sampling(loaded.sampling)} (from {loaded.sampling_source})"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from wafer.errors import ModelLoadError
 from wafer.models.chat_template import ChatTemplate
 from wafer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from wafer.models.generation_defaults import model_defaults
 from wafer.models.gguf_loader import GGUFFile
 from wafer.models.llama import LlamaModel
 from wafer.models.tokenizer import TextTokenizer
@@ -34,6 +35,8 @@ class LoadedModel:
     kernels: str = ""  # what runs its matrix products (quant.kernel_report)
     warning: str | None = None  # why the fast path does not run, where it does not
     num_parameters: int = 0  # counted before a compute path packs weights into buffers
+    sampling: dict[str, float] = field(default_factory=dict)  # the defaults it sets (generation_defaults.py)
+    sampling_source: str = "none (neutral)"
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -137,8 +140,10 @@ def _load_hf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: no tokenizer.json")
     tok = TextTokenizer.from_dir(path)
-    return LoadedModel(model, cfg, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path,
-                       display_name(str(path)))
+    name = display_name(str(path))
+    sampling, source = model_defaults(name, path)
+    return LoadedModel(model, cfg, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path, name,
+                       sampling=sampling, sampling_source=source)
 
 
 def _build(cfg: ModelConfig, get, dtype, progress, path: Path) -> LlamaModel:  # type: ignore[no-untyped-def]
@@ -159,8 +164,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], No
         tok = TextTokenizer.from_gguf(f.tokenizer_data(), scores)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
+    name = display_name(str(path))
+    sampling, source = model_defaults(name, path, f.meta)
     return LoadedModel(model, f.config, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path,
-                       display_name(str(path)))
+                       name, sampling=sampling, sampling_source=source)
 
 
 def display_name(model: str | None) -> str:

@@ -9,6 +9,10 @@
     num_speculative_tokens = 5
     prefix_caching = true
 
+    [models.small.sampling]     # defaults for requests that leave them out, over the model's own
+    temperature = 0.7           # (generation_config.json, GGUF metadata or its card: generation_defaults.py);
+    top_p = 0.9                 # any of temperature, top_p, top_k, min_p, repetition_penalty
+
     [upstreams.cloud]
     base_url = "http://10.0.0.5:8000/v1"
     api_key_env = "CLOUD_API_KEY" # the key is read from this environment variable
@@ -38,6 +42,7 @@ from typing import Any
 import tomllib
 
 from wafer.engine.speculative import SpeculativeConfig
+from wafer.models.generation_defaults import check as check_sampling
 from wafer.models.quant import PATHS
 from wafer.errors import WaferError
 
@@ -61,6 +66,7 @@ class LocalModelConfig:
     speculative: str = "off"  # off | ngram | draft:NAME
     num_speculative_tokens: int = 5
     prefix_caching: bool = True
+    sampling: dict[str, float] = field(default_factory=dict)  # over the model's own defaults
 
 
 # Per-model settings besides the integer engine options; the CLI's values are their defaults.
@@ -164,7 +170,7 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
     for name, m in (raw.get("models") or {}).items():
         path = m.get("path", "bundled")
         opts = {**cli_options, **{k: int(v) for k, v in m.items() if k in ENGINE_OPTIONS}}
-        unknown = set(m) - {"path", *MODEL_SETTINGS, *ENGINE_OPTIONS}
+        unknown = set(m) - {"path", "sampling", *MODEL_SETTINGS, *ENGINE_OPTIONS}
         if unknown:
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
         if m.get("quant", quant) not in PATHS:
@@ -172,8 +178,14 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
         if m.get("device", "auto") not in DEVICES:
             raise ConfigError(f"model {name!r}: device must be one of {', '.join(DEVICES)}")
         own = {**(settings or {}), **{k: m[k] for k in MODEL_SETTINGS if k in m and k != "quant"}}
+        if not isinstance(m.get("sampling", {}), dict):
+            raise ConfigError(f"model {name!r}: sampling must be a table, e.g. sampling = {{temperature = 0.7}}")
+        try:
+            sampling = check_sampling(m.get("sampling", {}))
+        except ValueError as e:
+            raise ConfigError(f"model {name!r}: sampling: {e}") from None
         models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts, m.get("quant", quant),
-                                        **own)
+                                        **own, sampling=sampling)
     upstreams = {}
     for name, u in (raw.get("upstreams") or {}).items():
         if "base_url" not in u:

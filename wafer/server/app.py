@@ -179,6 +179,7 @@ def create_app(
         card: dict[str, Any] = {"id": name, "object": "model", "created": served_list[0].created, "owned_by": "wafer"}
         if name in local:
             card["max_model_len"] = local[name][0].max_model_len
+            card["sampling_defaults"] = dict(local[name][0].sampling_defaults)  # unknown to OpenAI's clients
         return card
 
     async def dispatch(kind: str, request: Request) -> Response:

@@ -23,6 +23,7 @@ from wafer.engine.async_engine import (
 )
 from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
 from wafer.models.chat_template import ChatTemplate
+from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.tokenizer import TextTokenizer
 from wafer.server.errors import APIError, bad_request, server_error
 from wafer.server.metrics import ServerMetrics
@@ -57,6 +58,8 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     ping_interval: float = 10.0
     metrics: ServerMetrics | None = None
+    # what a request gets for a sampling parameter it leaves out: every key of NEUTRAL
+    sampling_defaults: dict[str, float] = field(default_factory=lambda: dict(NEUTRAL))
     # the compute path, what runs its matrix products, and a warning where that is not the fastest
     compute: dict[str, str | None] = field(default_factory=dict)
 
@@ -92,18 +95,19 @@ class GenerationHandler:
             if not 0 <= tid < vocab:
                 raise bad_request(f"logit_bias token id {tid} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
             bias[tid] = value
+        d = self.m.sampling_defaults  # the model's, for what the request leaves out (as vLLM)
         for tid in req.stop_token_ids or []:
             if not 0 <= tid < vocab:
                 raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
         return SamplingParams(
             max_tokens=limit,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
+            temperature=d["temperature"] if req.temperature is None else req.temperature,
+            top_p=d["top_p"] if req.top_p is None else req.top_p,
+            top_k=int(d["top_k"]) if req.top_k is None else req.top_k,
+            min_p=d["min_p"] if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty or 1.0,
+            repetition_penalty=d["repetition_penalty"] if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=bias or None,
             seed=None if req.seed is None else req.seed + seed_offset,
             stop=req.stop_list,

@@ -21,6 +21,7 @@ from wafer import __version__
 from wafer.engine.async_engine import AsyncEngine, run_engines
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.speculative import SpeculativeConfig
+from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
 from wafer.router.config import ConfigError, ServeConfig, default_config, draft_target, load_config
 from wafer.router.router import Router
@@ -33,8 +34,9 @@ log = logging.getLogger("wafer.server")
 def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_waiting: int,
                  max_model_len: int | None, max_batched_tokens: int = 256,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
-                 prefix_caching: bool = True) -> ServedModel:
-    """A model ready to serve; an EngineServer steps its engine."""
+                 prefix_caching: bool = True, sampling: dict[str, float] | None = None) -> ServedModel:
+    """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
+    over the model's own."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
                                             speculative=speculative or SpeculativeConfig()), draft=draft)
@@ -47,6 +49,7 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_wa
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
         max_model_len=engine.max_model_len,
+        sampling_defaults={**NEUTRAL, **loaded.sampling, **(sampling or {})},
         fingerprint=f"fp_{digest[:10]}",
         compute={"path": loaded.compute, "kernels": loaded.kernels, "warning": loaded.warning},
     )
@@ -174,7 +177,8 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
         try:
             served.append(build_served(target, [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
                                        o.get("max_model_len", 4096), o.get("max_batched_tokens", 256),
-                                       speculative=spec, draft=draft, prefix_caching=m.prefix_caching))
+                                       speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
+                                       sampling=m.sampling))
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
     return served

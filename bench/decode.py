@@ -1,9 +1,15 @@
-"""Single-stream decode speed: wafer (each CPU compute path) vs llama-cpp-python (when installed) vs transformers.
+"""Single-stream decode speed and time to first token: wafer's default path on a kernel variant vs
+llama-cpp-python built for the same instruction sets, in one run.
 
-Same GGUF, same chat prompt, greedy, EOS suppressed, 256 new tokens, 2 threads; one warm-up run,
-then the median of 5, the repeats taken round-robin over the systems. Decode tokens/s counts the tokens after the first, over the time after the
-first; TTFT is the time to the first token.
+Same GGUF, same chat prompt, greedy, EOS suppressed, 256 new tokens, 2 threads; one warm-up run, then
+the median of 5, the repeats taken round-robin over the systems. Decode tokens/s counts the tokens
+after the first, over the time after the first; TTFT is the time to the first token, for the chat
+prompt and for a 1024-token prompt. Then wafer's aggregate rate with 16 sequences decoding together,
+the bytes a decode step reads, and the GB/s that makes against this machine's measured read bandwidth.
 
+`--isa avx2`: wafer's AVX2 variant against llama.cpp built for AVX2 only (as on a CPU without
+AVX-512), whatever this CPU has; the default is the best variant against llama.cpp built for every
+instruction set of this CPU (`make bench` builds both; bench/llamacpp.py runs them).
 `--device cuda`: a Llama-3.1-8B-shaped model with random weights on the GPU instead (cuda_decode.py).
 """
 
@@ -24,7 +30,7 @@ from bench.common import PROMPT, now, table  # noqa: E402
 THREADS = 2
 
 
-def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False):
+def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False, loaded=None):
     """(prompt_ids, run): run(ids, n) decodes greedily and returns (TTFT s, decode tok/s). EOS is
     suppressed by logit bias, as llama-cpp-python's run does, or with ignore_eos as an HTTP
     request asks for it."""
@@ -32,7 +38,7 @@ def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False):
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
 
-    loaded = load_model(compute=compute)
+    loaded = loaded or load_model(compute=compute)
     # No prefix cache: every run prefills its whole prompt, as llama-cpp-python's reset=True does.
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=2048, prefix_caching=False))
     tok = loaded.tokenizer
@@ -79,50 +85,70 @@ def hf_runner(n_new: int):
     return tok, run
 
 
-def load_llama_cpp(n_ctx: int = 2048):
-    """llama-cpp-python on the bundled GGUF with this script's threads, or None when not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    from wafer.models.loader import default_model_path
-
-    return Llama(str(default_model_path()), n_ctx=n_ctx, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith(("model name", "Model")):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
-def llama_cpp_runner(n_new: int):
-    llm = load_llama_cpp()
-    if llm is None:
-        return None
-    eos = llm.token_eos()
-
-    def run(ids: list[int], n: int = n_new) -> tuple[float, float]:
-        llm.reset()
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of a read-only float32 GEMV over a matrix of `gib` GiB (larger than any cache here),
+    with this script's threads: the most a decode step that reads its weights once can stream."""
+    n = int((gib * 2**30 / 4) ** 0.5)
+    w, v = torch.ones(n, n), torch.ones(n)
+    best = float("inf")
+    for _ in range(repeats):
         t0 = now()
-        first = None
-        count = 0
-        for _tok in llm.generate(ids, temp=0.0, top_k=1, reset=True, logits_processor=[lambda _i, s: _suppress(s, eos)]):
-            count += 1
-            if first is None:
-                first = now()
-            if count >= n:
-                break
-        end = now()
-        return first - t0, (n - 1) / (end - first)
-
-    return run
+        torch.mv(w, v)
+        best = min(best, now() - t0)
+    return n * n * 4 / best / 1e9
 
 
-def _suppress(scores, eos):
-    scores[eos] = -1e9
-    return scores
+def step_bytes(loaded) -> int:
+    """Bytes one decode step of one sequence reads from memory: every weight of the blocks and the
+    head in the compute path's own format, the norms, and one row of the embedding (the KV cache of a
+    short context adds under 1%)."""
+    from wafer.models.quant import BlockLinear, Int8Linear
+
+    total = 0
+    for mod in loaded.model.modules():
+        if isinstance(mod, BlockLinear):
+            total += mod.packed.numel()
+        elif isinstance(mod, Int8Linear):
+            total += mod.qweight.numel() + mod.scales.numel() * 2
+        elif isinstance(mod, torch.nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+        elif type(mod).__name__ == "RMSNorm":
+            total += mod.weight.numel() * 4
+    return total + loaded.config.hidden_size * 4
+
+
+def concurrent(loaded, n_seqs: int, prompt: list[int], n_new: int) -> float:
+    """Aggregate decode tokens/s of n_seqs sequences decoding together (after each one's first token)."""
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+
+    engine = LLMEngine(loaded, EngineConfig(max_running=n_seqs, max_model_len=2048, prefix_caching=False))
+    seqs = [engine.add(prompt, SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)) for _ in range(n_seqs)]
+    while not all(s.output_ids for s in seqs):
+        engine.step()
+    t0, done = now(), sum(len(s.output_ids) for s in seqs)
+    while not all(s.finished for s in seqs):
+        engine.step()
+    return (sum(len(s.output_ids) for s in seqs) - done) / (now() - t0)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--isa", default="auto",
+                    help="wafer's kernel variant (auto: the best this CPU runs; avx2: the AVX2 variant against "
+                         "llama.cpp built for AVX2 only; any name of wafer/models/kernels.py)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--long-prompt", type=int, default=1024, help="tokens in the long-prompt TTFT case")
+    ap.add_argument("--concurrency", type=int, default=16, help="sequences decoding together in the batch row")
+    ap.add_argument("--paths", action="store_true", help="also wafer's f32, int8 and q8 paths, and transformers")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: a random Llama-3.1-8B-shaped model on the GPU, eager vs CUDA graphs")
     ap.add_argument("--shape", choices=["llama-3.1-8b", "tiny"], default=None,
@@ -133,22 +159,40 @@ def main() -> None:
 
         args.shape = args.shape or "llama-3.1-8b"
         return cuda_main(args)
+    os.environ["WAFER_KERNELS"] = args.isa  # read once, when the kernels are first asked for
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    from bench.llamacpp import LlamaCpp, available
+    from wafer.models import kernels
+    from wafer.models.loader import load_model
 
-    prompt_ids, wafer_run = wafer_runner(args.tokens)
+    variant = kernels.wanted()
+    lc_isa = "avx2" if variant in ("avx2", "portable") else "native"
+    loaded = load_model(compute="auto")
+    assert kernels.status().variant == variant, kernels.status()
+    prompt_ids, wafer_run = wafer_runner(args.tokens, loaded=loaded)
     ids = prompt_ids(PROMPT)
     filler = " ".join(["The lighthouse stood on the rocky shore and watched the sea."] * 200)
     long_ids = prompt_ids(filler)[: args.long_prompt - 8] + ids[-8:]
-    # q4 is what `--quant auto` (the default) runs for the bundled Q4_1 file.
-    systems: dict[str, object] = {"wafer --quant f32": wafer_run, "wafer --quant int8": wafer_runner(args.tokens, "int8")[1],
-                                  "wafer --quant q8": wafer_runner(args.tokens, "q8")[1],
-                                  "wafer --quant q4 (auto)": wafer_runner(args.tokens, "q4")[1]}
-    _, hf_run = hf_runner(args.tokens)
-    systems["transformers"] = hf_run
-    lc = llama_cpp_runner(args.tokens)
-    if lc is not None:
-        systems["llama-cpp-python"] = lc
+    main_name = f"wafer {loaded.compute} ({variant})"
+    systems: dict[str, object] = {main_name: wafer_run}
+    if args.paths:
+        for path in ("f32", "int8", "q8"):
+            systems[f"wafer {path}"] = wafer_runner(args.tokens, path)[1]
+        systems["transformers"] = hf_runner(args.tokens)[1]
+    lc = None
+    if available(lc_isa):
+        lc = LlamaCpp(lc_isa, n_ctx=2048, threads=THREADS)
+
+        def lc_run(prompt: list[int], n: int = args.tokens) -> tuple[float, float]:
+            r = lc.generate(prompt, n, stop_at_eos=False)  # type: ignore[union-attr]
+            assert len(r["tokens"]) == n
+            return r["ttft"], (n - 1) / r["after_first"] if n > 1 else 0.0
+
+        systems[f"llama-cpp-python ({lc_isa} build)"] = lc_run
+    else:
+        print(f"llama-cpp-python's {lc_isa} build is missing: make bench builds it (bench/build_llama_cpp.py)",
+              file=sys.stderr)
 
     # Repeats go round-robin over the systems, so that a slow spell of this shared machine hits
     # every system alike instead of whichever ran during it.
@@ -156,26 +200,41 @@ def main() -> None:
         run(ids, 8)  # warm-up
     decode: dict[str, list[float]] = {name: [] for name in systems}
     short: dict[str, list[float]] = {name: [] for name in systems}
+    long: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(args.repeats):
         for name, run in systems.items():
             decode[name].append(run(ids)[1])
             short[name].append(run(ids, 1)[0])
-    results: dict[str, tuple[float, float, float]] = {}
-    for name, run in systems.items():
-        results[name] = (statistics.median(decode[name]), statistics.median(short[name]), run(long_ids, 1)[0])
-        print(f"  measured {name}", file=sys.stderr)
+    for _ in range(3):
+        for name, run in systems.items():
+            long[name].append(run(long_ids, 1)[0])
+    batch = concurrent(loaded, args.concurrency, ids, 128)
+    bandwidth = read_bandwidth()
+    nbytes = step_bytes(loaded)
 
-    print(f"Single-stream decode, default model, {len(ids)}-token chat prompt, greedy, EOS suppressed, "
-          f"{args.tokens} new tokens, {THREADS} threads, median of {args.repeats}")
-    # Ratios against llama-cpp-python when it ran (the issue's baseline), else against wafer f32.
-    base_name = "llama-cpp-python" if "llama-cpp-python" in results else "wafer --quant f32"
-    base_dec, _, base_long = results[base_name]
+    med = {name: (statistics.median(decode[name]), statistics.median(short[name]), statistics.median(long[name]))
+           for name in systems}
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; {kernels.features_line()}")
+    print(f"wafer kernels: {variant}" + (f"; llama.cpp {lc_isa} build: {lc.system_info.strip()}" if lc else ""))
+    print(f"Single-stream decode, default model, {len(ids)}-token chat prompt, greedy, EOS suppressed, {args.tokens} "
+          f"new tokens, {THREADS} threads, median of {args.repeats} (TTFT of {len(long_ids)} tokens: median of 3)")
+    base_name = next((n for n in systems if n.startswith("llama-cpp")), main_name)
+    base_dec, _, base_long = med[base_name]
     rows = []
-    for name, (dec, t1, t2) in results.items():
+    for name, (dec, t1, t2) in med.items():
         rows.append([name, f"{dec:.1f}", f"{t1 * 1000:.0f}", f"{t2 * 1000:.0f}", f"{dec / base_dec:.2f}x",
                      f"{t2 / base_long:.2f}x"])
     print(table(["system", "decode tok/s", f"TTFT {len(ids)}-tok ms", f"TTFT {len(long_ids)}-tok ms",
                  f"decode vs {base_name}", f"TTFT {len(long_ids)} vs {base_name}"], rows))
+    single = med[main_name][0]
+    print(f"{main_name}: {args.concurrency} sequences together decode {batch:.1f} tokens/s in all, "
+          f"{batch / single:.2f}x its single stream")
+    print(f"{main_name}: a decode step reads {nbytes / 1e6:.1f} MB; at {single:.1f} tokens/s that is "
+          f"{nbytes * single / 1e9:.1f} GB/s, {nbytes * single / 1e9 / bandwidth:.0%} of this machine's measured read "
+          f"bandwidth ({bandwidth:.1f} GB/s, float32 GEMV over 1 GiB), which allows {bandwidth * 1e9 / nbytes:.0f} "
+          f"tokens/s")
+    if lc:
+        lc.close()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import now, table  # noqa: E402
-from bench.decode import THREADS, load_llama_cpp  # noqa: E402
+from bench.decode import THREADS  # noqa: E402
+from bench.llamacpp import LlamaCpp, available  # noqa: E402
 
 REWRITES = [
     (textwrap.TextWrapper._split, "chunks", "pieces"),
@@ -79,24 +80,14 @@ def wafer_runner(loaded, spec: str, k: int):
     return engine, run
 
 
-def llama_cpp_run():
-    llm = load_llama_cpp(n_ctx=4096)
-    if llm is None:
+def llama_cpp_run(isa: str):
+    if not available(isa):
         return None
-    eos = llm.token_eos()
+    llm = LlamaCpp(isa, n_ctx=4096, threads=THREADS)
 
     def run(ids: list[int], n: int) -> tuple[list[int], float]:
-        out: list[int] = []
-        first = 0.0
-        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            if not out:
-                first = now()
-            if tok == eos:
-                break
-            out.append(tok)
-            if len(out) >= n:
-                break
-        return out, now() - first
+        r = llm.generate(ids, n)
+        return r["tokens"], r["after_first"]
 
     return run
 
@@ -116,8 +107,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per prompt at most")
     ap.add_argument("--k", type=int, default=8, help="speculative tokens per step (default 8)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quant", choices=["f32", "int8", "q8", "q4"], default="q4")
+    ap.add_argument("--quant", choices=["auto", "f32", "int8", "q8", "q4"], default="auto")
+    ap.add_argument("--isa", default="auto", help="wafer's kernel variant, as in bench/decode.py")
     args = ap.parse_args()
+    os.environ["WAFER_KERNELS"] = args.isa
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     from wafer.models.loader import load_model
@@ -126,7 +119,11 @@ def main() -> None:
     loads = workloads(loaded)
     plain_engine, plain = wafer_runner(loaded, "off", args.k)
     spec_engine, spec = wafer_runner(loaded, "ngram", args.k)
-    lcpp = llama_cpp_run()
+    from wafer.models import kernels
+
+    variant = kernels.wanted()
+    lcpp = llama_cpp_run("avx2" if variant in ("avx2", "portable") else "native")
+    args.quant = f"{loaded.compute} ({kernels.status().variant or 'PyTorch'})"
     plain(loads["free writing"][0], 8)  # warm-up
     spec(loads["free writing"][0], 8)
 

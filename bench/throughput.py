@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import PROMPT, table  # noqa: E402
-from bench.decode import llama_cpp_runner  # noqa: E402
+from bench.llamacpp import LlamaCpp, available  # noqa: E402
 from wafer.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from wafer.engine.sequence import SamplingParams  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402
@@ -51,13 +51,18 @@ def main() -> None:
     torch.set_num_threads(2)
     levels = [int(x) for x in args.concurrency.split(",")]
     baseline = None
-    lc = llama_cpp_runner(256)
-    if lc is not None:
+    if available("native"):
+        lc = LlamaCpp("native", n_ctx=2048)
         loaded = load_model(compute="f32")
         ids = loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": PROMPT}]),
                                       add_special_tokens=False)
-        lc(ids, 8)  # warm-up
-        baseline = statistics.median(lc(ids)[1] for _ in range(3))
+        lc.generate(ids, 8, stop_at_eos=False)  # warm-up
+        rates = []
+        for _ in range(3):
+            r = lc.generate(ids, 256, stop_at_eos=False)
+            rates.append(255 / r["after_first"])
+        baseline = statistics.median(rates)
+        lc.close()
     rows = []
     for path in args.quant.split(","):
         loaded = load_model(compute=path)

@@ -93,15 +93,17 @@ def cpu_model() -> str:
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s of a read-only float32 GEMV over a matrix of `gib` GiB (larger than any cache here),
-    with this script's threads: the most a decode step that reads its weights once can stream."""
+    """GB/s of the fastest read-only pass over `gib` GiB (larger than any cache here) with this
+    script's threads, a float32 sum or a float32 GEMV: the most a decode step that reads its weights
+    once can stream."""
     n = int((gib * 2**30 / 4) ** 0.5)
     w, v = torch.ones(n, n), torch.ones(n)
     best = float("inf")
     for _ in range(repeats):
-        t0 = now()
-        torch.mv(w, v)
-        best = min(best, now() - t0)
+        for f in (lambda: w.sum(), lambda: torch.mv(w, v)):
+            t0 = now()
+            f()
+            best = min(best, now() - t0)
     return n * n * 4 / best / 1e9
 
 
@@ -231,7 +233,7 @@ def main() -> None:
           f"{batch / single:.2f}x its single stream")
     print(f"{main_name}: a decode step reads {nbytes / 1e6:.1f} MB; at {single:.1f} tokens/s that is "
           f"{nbytes * single / 1e9:.1f} GB/s, {nbytes * single / 1e9 / bandwidth:.0%} of this machine's measured read "
-          f"bandwidth ({bandwidth:.1f} GB/s, float32 GEMV over 1 GiB), which allows {bandwidth * 1e9 / nbytes:.0f} "
+          f"bandwidth ({bandwidth:.1f} GB/s, a float32 sum or GEMV over 1 GiB), which allows {bandwidth * 1e9 / nbytes:.0f} "
           f"tokens/s")
     if lc:
         lc.close()

@@ -37,6 +37,15 @@ def sampling(p: SamplingParams) -> dict[str, float]:
     return {k: getattr(p, k) for k in CARD}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_readme_example_answers_with_the_models_defaults(client, seed):
+    """The README's example sends no temperature: the card's 0.2 / 0.9 answer it on the default path
+    (at 1.0, the old default, the 135M model wanders off)."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of Japan?"}],
+                                       seed=seed, max_tokens=40)
+    assert "Tokyo" in r.choices[0].message.content
+
+
 def test_models_say_the_defaults(client):
     assert client.models.retrieve(MODEL).model_extra["sampling_defaults"] == CARD
     listed = {m.id: m.model_extra for m in client.models.list().data}

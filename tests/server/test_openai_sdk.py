@@ -8,7 +8,9 @@ import pytest
 
 from tests.serving import MODEL
 
-HELLO = [{"role": "user", "content": "What is the capital of France?"}]
+# The default path (q4, int8 activations, as llama.cpp's) answers this one greedily; "the capital of
+# France?" it answers "L'Étoile, ..." there, as llama.cpp does on the same file (f32 says Paris).
+HELLO = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 
 def test_models(client):
@@ -27,7 +29,7 @@ def test_chat_non_streaming(client, smollm):
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
     assert r.created > 0 and r.system_fingerprint.startswith("fp_")
     c = r.choices[0]
-    assert c.index == 0 and c.message.role == "assistant" and "Paris" in c.message.content
+    assert c.index == 0 and c.message.role == "assistant" and "Tokyo" in c.message.content
     assert c.finish_reason == "stop"
     prompt = smollm.chat_template.render(HELLO)
     assert r.usage.prompt_tokens == len(smollm.tokenizer.encode(prompt, add_special_tokens=False))
@@ -65,7 +67,8 @@ def test_max_completion_tokens_and_length(client):
 
 
 def test_n_choices(client):
-    r = client.chat.completions.create(model=MODEL, messages=HELLO, n=2, max_tokens=12, temperature=1.0, seed=5,
+    story = [{"role": "user", "content": "Tell me a story."}]  # open enough that two samples differ
+    r = client.chat.completions.create(model=MODEL, messages=story, n=2, max_tokens=12, temperature=1.0, seed=5,
                                        logprobs=True)
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].message.content != r.choices[1].message.content

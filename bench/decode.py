@@ -164,12 +164,12 @@ def main() -> None:
     os.environ["WAFER_KERNELS"] = args.isa  # read once, when the kernels are first asked for
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
-    from bench.llamacpp import LlamaCpp, available
+    from bench.llamacpp import LlamaCpp, available, build_for
     from wafer.models import kernels
     from wafer.models.loader import load_model
 
     variant = kernels.wanted()
-    lc_isa = "avx2" if variant in ("avx2", "portable") else "native"
+    lc_isa = build_for(variant)
     loaded = load_model(compute="auto")
     assert kernels.status().variant == variant, kernels.status()
     prompt_ids, wafer_run = wafer_runner(args.tokens, loaded=loaded)

@@ -53,6 +53,12 @@ class LlamaCpp:
         self.proc.wait(timeout=30)
 
 
+def build_for(variant: str | None) -> str:
+    """The llama.cpp build to set beside a wafer kernel variant: AVX2 only for wafer's AVX2-class and
+    portable variants, every instruction set of the CPU otherwise."""
+    return "avx2" if variant in ("avx2", "portable") else "native"
+
+
 def available(isa: str = "native") -> bool:
     return (build_path(isa) / "llama_cpp").is_dir()
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from bench.common import now, table  # noqa: E402
 from bench.decode import THREADS  # noqa: E402
-from bench.llamacpp import LlamaCpp, available  # noqa: E402
+from bench.llamacpp import LlamaCpp, available, build_for  # noqa: E402
 
 REWRITES = [
     (textwrap.TextWrapper._split, "chunks", "pieces"),
@@ -122,8 +122,8 @@ def main() -> None:
     from wafer.models import kernels
 
     variant = kernels.wanted()
-    lcpp = llama_cpp_run("avx2" if variant in ("avx2", "portable") else "native")
-    args.quant = f"{loaded.compute} ({kernels.status().variant or 'PyTorch'})"
+    lcpp = llama_cpp_run(build_for(variant))
+    label = f"wafer {loaded.compute} ({kernels.status().variant or 'PyTorch'})"
     plain(loads["free writing"][0], 8)  # warm-up
     spec(loads["free writing"][0], 8)
 
@@ -135,15 +135,15 @@ def main() -> None:
         drafts = spec_engine.stats.spec.drafts - before[0]
         accepted = spec_engine.stats.spec.accepted_tokens - before[1]
         same = "yes" if out == ref else "NO"
-        rows.append([name, f"wafer {args.quant}", str(tokens), f"{base:.1f}", "-", "1.00x", "-"])
-        rows.append([name, f"wafer {args.quant} + ngram k={args.k}", str(tokens), f"{fast:.1f}",
+        rows.append([name, label, str(tokens), f"{base:.1f}", "-", "1.00x", "-"])
+        rows.append([name, f"{label} + ngram k={args.k}", str(tokens), f"{fast:.1f}",
                      f"{1 + accepted / drafts:.2f}" if drafts else "-", f"{fast / base:.2f}x", same])
         if lcpp is not None:
             speed, n, _ = measure(lcpp, prompts, args.tokens, args.repeats)
             rows.append([name, "llama-cpp-python", str(n), f"{speed:.1f}", "-", f"{speed / base:.2f}x", "-"])
         print(f"  measured {name}", file=sys.stderr)
     st = spec_engine.stats.spec
-    print(f"Speculative decoding, default model ({args.quant}), single stream, greedy, up to {args.tokens} new "
+    print(f"Speculative decoding, default model ({label}), single stream, greedy, up to {args.tokens} new "
           f"tokens per prompt, {THREADS} threads, 3 prompts per workload, median of {args.repeats}")
     print(table(["workload", "system", "tokens", "decode tok/s", "acceptance length", "vs wafer", "same output"],
                 rows))

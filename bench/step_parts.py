@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from bench.common import table  # noqa: E402
 from bench.decode import THREADS  # noqa: E402
 from bench.server_decode import engine_runner  # noqa: E402
-from wafer.models.blockquant import kernels, onto_huge_pages  # noqa: E402
+from wafer.models.blockquant import onto_huge_pages  # noqa: E402
+from wafer.models.kernels import kernels, status  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402
 from wafer.models.quant import BlockLinear  # noqa: E402
 
@@ -98,7 +99,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     torch.set_num_threads(THREADS)
     if kernels() is None:
-        raise SystemExit("wafer's kernels are not built on this machine (no AVX-512 VNNI or no compiler)")
+        raise SystemExit(f"wafer's kernels do not run: {status().problem}")
     print(f"Single-stream decode, default model (q4), {args.tokens} new tokens, greedy, EOS ignored, {THREADS} "
           f"threads, {args.rounds} runs each, alternating; ratio: median of each run's over the 4 KB run beside it")
     print(table(["block weights on", "tok/s", "vs 4 KB pages"], pages(args.rounds, args.tokens)))

@@ -60,7 +60,7 @@ def main() -> None:
         rates = []
         for _ in range(3):
             r = lc.generate(ids, 256, stop_at_eos=False)
-            rates.append(255 / r["after_first"])
+            rates.append((len(r["tokens"]) - 1) / r["after_first"])
         baseline = statistics.median(rates)
         lc.close()
     rows = []

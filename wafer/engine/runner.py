@@ -109,5 +109,5 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long),
-            None if all_logits or len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long),
+            torch.arange(len(ids)) if all_logits else torch.tensor(rows, dtype=torch.long),
         )

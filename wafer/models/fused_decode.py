@@ -58,11 +58,9 @@ class FusedDecode:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(rows), vocab] (every token's without `rows`) for M tokens, each at its own
-        (slot, position)."""
+                 rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(rows), vocab] for those of M tokens, each at its own (slot, position)."""
         rotary = self.model.rotary
         x = self.model.embed_tokens(input_ids)
-        rows = torch.arange(len(input_ids)) if rows is None else rows
         return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, self.tensors, self.out_features,
                                     self.model.norm.weight.detach(), *self.args, rows)

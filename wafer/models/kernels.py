@@ -135,8 +135,7 @@ def load(variant: str) -> ModuleType:
 @dataclass
 class Status:
     variant: str | None  # the variant that runs, None: PyTorch's kernels
-    best: str  # the best variant this CPU runs
-    problem: str | None  # why `variant` is not `best`, when it is not
+    problem: str | None  # why it is not the best this CPU runs, when it is not
 
 
 @cache
@@ -153,14 +152,14 @@ def _status() -> Status:
     try:
         name = wanted()
     except ValueError as e:
-        return Status(None, best, str(e))
+        return Status(None, str(e))
     if name is None:
-        return Status(None, best, "WAFER_KERNELS=off: PyTorch's kernels run instead of wafer's")
+        return Status(None, "WAFER_KERNELS=off: PyTorch's kernels run instead of wafer's")
     try:
         load(name)
     except Exception as e:  # noqa: BLE001 - any build failure: the stock path, said out loud
-        return Status(None, best, f"wafer's {name} kernels could not be built ({str(e).strip().splitlines()[-1]})")
-    return Status(name, best, None if name == best else f"WAFER_KERNELS={name} (the best on this CPU is {best})")
+        return Status(None, f"wafer's {name} kernels could not be built ({str(e).strip().splitlines()[-1]})")
+    return Status(name, None if name == best else f"WAFER_KERNELS={name} (the best on this CPU is {best})")
 
 
 def kernels() -> ModuleType | None:

@@ -55,9 +55,11 @@ $(LLAMA_STAMP): $(STAMP) bench/build_llama_cpp.py
 
 bench: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python bench/decode.py
+	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/decode.py --isa avx2; fi
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/speculative.py
+	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/speculative.py --isa avx2; fi
 	$(BIN)/python bench/speculative.py --quant f32
 	$(BIN)/python bench/prefix_cache.py
 	$(BIN)/python bench/server_decode.py

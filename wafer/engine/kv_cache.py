@@ -16,6 +16,8 @@ a copy; one that shares only part of a slot's content, or shares a prefix with a
 
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict
 
 import torch
@@ -25,14 +27,26 @@ from wafer.models.config import ModelConfig
 BLOCK = 16  # tokens per hashed block
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros that take memory only where written: on the CPU an anonymous mapping, whose pages the
+    kernel provides (zeroed) on first write, so a cache sized for 16 sequences of 4096 tokens costs
+    what its sequences hold, not 4 GB up front as torch.zeros would (it writes every byte)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    area = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(area, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)  # keeps `area` alive
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         # Zeros, not empty: masked positions still enter the attention product, and NaN * 0 is NaN.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
+            (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)
         ]
         self.num_slots = num_slots
         self.max_len = max_len
@@ -49,7 +63,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int) -> KVCache:
         """A cache in the model's activation dtype, on its device."""
-        emb = model.embed_tokens.weight  # type: ignore[union-attr]
+        emb = model.norm.weight  # type: ignore[union-attr]  # (the embedding may be held in file blocks)
         return cls(model.config, num_slots, max_len, emb.dtype, emb.device)  # type: ignore[arg-type]
 
     @property

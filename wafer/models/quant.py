@@ -61,8 +61,25 @@ class BlockLinear(nn.Module):
         self.bias = linear.bias
         self.bits = bits
         self.out_features = linear.out_features
+        self.in_features = linear.in_features
         w = linear.weight.detach()
         self.register_buffer("packed", bq.pack_q4(*bq.quantize_q4(w)) if bits == 4 else bq.pack_q8(*bq.quantize_q8(w)))
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bits: int,
+                    bias: torch.Tensor | None) -> BlockLinear:
+        """From records already in pack_blocks's layout (weights.build_block_model)."""
+        from wafer.models.kernels import kernels
+
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.kernels = kernels()
+        self.bias = bias
+        self.bits = bits
+        self.out_features = out_features
+        self.in_features = in_features
+        self.register_buffer("packed", packed)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.block_linear(x.contiguous(), self.packed, self.out_features)

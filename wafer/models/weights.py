@@ -59,3 +59,4 @@ def build_model(
     model.rotary = Rotary(cfg)
     model.eval()
     return model
+

@@ -148,6 +148,36 @@ def default_config(model: str | None, names: list[str], options: dict[str, int],
     return cfg
 
 
+def catalog_config(options: dict[str, int], quant: str = "auto", settings: dict[str, Any] | None = None,
+                   ) -> tuple[ServeConfig, list[str]]:
+    """No file and no model: the catalog's models on their tiers (sol, terra, luna), each also under
+    its own name. A tier whose model is not installed is served by the nearest installed one; the
+    notes say which (they are empty when all three are there)."""
+    from wafer.models import catalog
+
+    installed = [m for m in catalog.CATALOG if catalog.installed_path(m) is not None]
+    if not installed:
+        raise ConfigError("no model of `wafer models` is installed; run `wafer models install`")
+    models = {m.name: LocalModelConfig(m.name, str(catalog.installed_path(m)), dict(options), quant,
+                                       **(settings or {})) for m in installed}
+    tiers: dict[str, list[str]] = {}
+    notes = []
+    order = [m.tier for m in catalog.CATALOG]
+    for m in catalog.CATALOG:
+        if m in installed:
+            tiers[m.tier] = [m.name]
+            continue
+        i = order.index(m.tier)  # the nearest installed model, preferring a smaller one
+        stand_in = min(installed, key=lambda x: (abs(order.index(x.tier) - i), -order.index(x.tier)))
+        tiers[m.tier] = [stand_in.name]
+        notes.append(f"tier {m.tier} ({m.name}) is not installed (`wafer models install {m.name}`); "
+                     f"{stand_in.name} serves it")
+    aliases = {m.name.lower(): m.name for m in installed}
+    cfg = ServeConfig(models, {}, tiers, aliases, RoutingConfig())
+    cfg.check()
+    return cfg, notes
+
+
 def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = "auto",
                 settings: dict[str, Any] | None = None) -> ServeConfig:
     try:

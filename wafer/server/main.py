@@ -23,7 +23,7 @@ from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.speculative import SpeculativeConfig
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
-from wafer.router.config import ConfigError, ServeConfig, default_config, draft_target, load_config
+from wafer.router.config import ConfigError, ServeConfig, catalog_config, default_config, draft_target, load_config
 from wafer.router.router import Router
 from wafer.server.app import create_app, prompt_counter
 from wafer.server.generation import ServedModel
@@ -144,18 +144,53 @@ def _memory_available() -> int:
     return 16 * 2**30
 
 
+def fit_memory(cfg: ServeConfig, budget: int | None = None) -> list[str]:
+    """Drop the models that do not fit the memory budget (memory_budget_gb, or 80% of available
+    memory), the largest first, and point their tiers and aliases at the models that stay.
+    Returns a note for each model dropped; raises ConfigError when none fits."""
+    if budget is None:
+        budget = int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb is not None else \
+            int(0.8 * _memory_available())
+    need = {name: estimate_bytes(m.path, m.quant) for name, m in cfg.models.items()}
+    kept, used = [], 0
+    for name in sorted(cfg.models, key=lambda n: need[n]):
+        if used + need[name] <= budget:
+            kept.append(name)
+            used += need[name]
+    dropped = [n for n in cfg.models if n not in kept]
+    if not dropped:
+        return []
+    if not kept and not cfg.upstreams:
+        raise ConfigError(f"no configured model fits the memory budget of {budget / 2**30:.1f} GiB (memory_budget_gb, "
+                          f"or 80% of available memory): {', '.join(f'{n} needs about {need[n] / 2**30:.1f} GiB' for n in dropped)}")
+    notes = []
+    stand_in = max(kept, key=lambda n: need[n]) if kept else next(iter(cfg.upstreams))
+    for name in dropped:
+        moved = []
+        for tier, targets in cfg.tiers.items():
+            if name in targets:
+                cfg.tiers[tier] = [t for t in targets if t != name] or [stand_in]
+                moved.append(f"{tier} -> {cfg.tiers[tier][0]}")
+        for alias, target in list(cfg.aliases.items()):
+            if target == name:
+                cfg.aliases[alias] = stand_in
+        for m in cfg.models.values():
+            if m.speculative == f"draft:{name}":
+                m.speculative = "off"
+        del cfg.models[name]
+        notes.append(f"{name} was not loaded: it needs about {need[name] / 2**30:.1f} GiB and the memory budget is "
+                     f"{budget / 2**30:.1f} GiB" + (f"; tier {', '.join(moved)}" if moved else ""))
+    return notes
+
+
 def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
     """Load every local model of the configuration (weights shared between entries with the same
-    file), refusing up front when they would not fit the memory budget."""
+    file); fit_memory() first drops those the memory budget cannot hold."""
     from wafer.cli import load_with_progress
 
-    paths = {m.path for m in cfg.models.values()}  # f32 dequantised size: an upper bound for int8 too
-    need = sum(estimate_bytes(p) for p in paths)
-    budget = int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb is not None else int(0.8 * _memory_available())
-    if need > budget:
-        raise ConfigError(f"the configured models need about {need / 2**30:.1f} GiB of weights but the memory budget "
-                          f"is {budget / 2**30:.1f} GiB (memory_budget_gb, or 80% of available memory); "
-                          f"serve fewer or smaller models")
+    for note in fit_memory(cfg):
+        log.warning(note)
+        print(f"  WARNING {note}", file=sys.stderr, flush=True)
     loaded: dict[tuple[str | None, str, str], LoadedModel] = {}
 
     def load(path: str | None, quant: str, device: str) -> LoadedModel:
@@ -190,11 +225,16 @@ def serve(args: argparse.Namespace) -> int:
                "max_batched_tokens": args.max_batched_tokens}
     settings = {"device": args.device, "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
                 "prefix_caching": not args.no_prefix_caching}
+    notes: list[str] = []
     if args.config:
         cfg = load_config(Path(args.config), options, args.quant, settings)
+    elif args.model is None and not args.served_model_name:
+        cfg, notes = catalog_config(options, args.quant, settings)
     else:
         cfg = default_config(args.model, args.served_model_name or [display_name(args.model)], options, args.quant,
                              settings)
+    for note in notes:
+        print(f"  WARNING {note}", file=sys.stderr, flush=True)
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
     app = create_app(served, args.api_key, router=router, upstreams=cfg.upstreams)

@@ -1,0 +1,211 @@
+"""A GGUF model for the q4 and q8 compute paths, made from the file's own blocks.
+
+Every linear layer's records (blockquant.pack_blocks) are made from the file's blocks a few
+thousand rows at a time (gguf_blocks.py) straight into their place in one HugePageArena, and the
+embedding stays in the file's blocks, so no tensor is ever whole in float32 and the peak memory of
+a load is the final footprint plus a few megabytes. The file is mapped, and each tensor's pages
+are dropped from the process once converted.
+
+Converting takes seconds for a model of a billion parameters, so the records of large models are
+kept on disk (catalog.models_dir() / "records"), and a later load reads them into the arena in one
+pass, at the speed of a file copy. A cache entry is named by the file (path, size, modification
+time), the compute path and the record format, so an edited file or a new format never reads a
+stale one; WAFER_RECORD_CACHE=off turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from wafer.models import blockquant as bq
+from wafer.models.config import ModelConfig
+from wafer.models.gguf_blocks import GGUFEmbedding, bits_for, record_bytes, record_inputs
+from wafer.models.gguf_loader import GGUFFile
+from wafer.models.llama import LlamaModel, Rotary
+from wafer.models.quant import BlockLinear
+
+log = logging.getLogger(__name__)
+
+RECORD_FORMAT = 1  # bump when pack_blocks's layout or gguf_blocks's conversions change
+CACHE_MIN_BYTES = 256 << 20  # smaller models convert in about a second: not worth the disk
+ROWS = 4096  # rows converted at once (a multiple of 16, the records' group)
+
+
+@dataclass
+class LinearPlan:
+    module: str  # its path in the model, e.g. "layers.3.self_attn.qkv_proj"
+    parts: list[str]  # the file's tensors (Hugging Face names) stacked into it, in order
+    rows: list[int]  # each part's output rows
+    in_features: int
+    bits: int
+
+    @property
+    def nbytes(self) -> int:
+        return -(-record_bytes(sum(self.rows), self.in_features, self.bits) // 64) * 64
+
+
+def plan(cfg: ModelConfig, file: GGUFFile, path: str) -> list[LinearPlan]:
+    """Every linear layer of the model, with the record width it gets on compute path `path`."""
+
+    def info(name: str) -> tuple[int, int, object]:
+        found = file.raw(name)
+        if found is None:
+            raise KeyError(name)
+        raw, qtype, k = found
+        return raw.shape[0], k, qtype
+
+    def linear(module: str, parts: list[str], bits: int | None = None) -> LinearPlan:
+        infos = [info(n) for n in parts]
+        width = bits or max(bits_for(q, path) for _, _, q in infos)  # type: ignore[arg-type]
+        return LinearPlan(module, parts, [r for r, _, _ in infos], infos[0][1], width)
+
+    out = []
+    for i in range(cfg.num_layers):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        out += [linear(m + "self_attn.qkv_proj", [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                linear(m + "self_attn.o_proj", [p + "self_attn.o_proj.weight"]),
+                linear(m + "mlp.gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                linear(m + "mlp.down_proj", [p + "mlp.down_proj.weight"])]
+    tied = cfg.tie_word_embeddings or file.raw("lm_head.weight") is None
+    out.append(linear("lm_head", ["model.embed_tokens.weight" if tied else "lm_head.weight"], 8))  # quant.py: 8 bits
+    return out
+
+
+def _convert(file: GGUFFile, lp: LinearPlan, dest: torch.Tensor) -> None:
+    """Fill `dest` (uint8, lp.nbytes) with the records of lp, ROWS rows at a time."""
+    per_group = (lp.in_features // bq.QK) * (16 * bq.QK * lp.bits // 8 + 64)
+    if any(r % 16 for r in lp.rows[:-1]):  # a part that ends mid-group: stack whole, then pack
+        pieces = [record_inputs(*file.raw(n)[:2], lp.in_features, lp.bits) for n in lp.parts]  # type: ignore[misc]
+        packed = bq.pack_blocks(*(torch.cat(t) for t in zip(*pieces)), lp.bits)
+        dest[: packed.numel()].copy_(packed.view(-1))
+        return
+    at = 0
+    for name in lp.parts:
+        raw, qtype, k = file.raw(name)  # type: ignore[misc]
+        for start in range(0, raw.shape[0], ROWS):
+            packed = bq.pack_blocks(*record_inputs(raw[start : start + ROWS], qtype, k, lp.bits), lp.bits).view(-1)
+            dest[at : at + packed.numel()].copy_(packed)
+            at += packed.numel()
+        assert at % per_group == 0
+        file.release(name)
+
+
+def _cache_paths(file: GGUFFile, path: str, plans: list[LinearPlan]) -> tuple[Path, Path] | None:
+    setting = os.environ.get("WAFER_RECORD_CACHE", "on")
+    if setting == "off" or sum(lp.nbytes for lp in plans) < CACHE_MIN_BYTES:
+        return None
+    from wafer.models.catalog import models_dir
+
+    st = file.path.stat()
+    ident = json.dumps([str(file.path.resolve()), st.st_size, st.st_mtime_ns, path, RECORD_FORMAT,
+                        [asdict(lp) for lp in plans]])
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    base = Path(setting) if setting not in ("on", "") else models_dir() / "records"
+    stem = f"{file.path.stem}.{path}"
+    return base / f"{stem}.{key}.bin", base / f"{stem}.{key}.json"
+
+
+def _read_cache(image: Path, manifest: Path, area: torch.Tensor) -> bool:
+    try:
+        if json.loads(manifest.read_text()).get("nbytes") != area.numel() or image.stat().st_size != area.numel():
+            return False
+        view = memoryview(area.numpy())
+        with open(image, "rb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    return False
+                done += n
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _write_cache(image: Path, manifest: Path, area: torch.Tensor) -> None:
+    try:
+        image.parent.mkdir(parents=True, exist_ok=True)
+        for old in image.parent.glob(image.name.rsplit(".", 2)[0] + ".*"):
+            old.unlink(missing_ok=True)  # this file's and path's records in an older format or version
+        tmp = image.with_suffix(".partial")
+        with open(tmp, "wb") as f:
+            f.write(memoryview(area.numpy()))
+        tmp.replace(image)
+        manifest.write_text(json.dumps({"nbytes": area.numel(), "format": RECORD_FORMAT}))
+    except OSError as e:  # a full or read-only disk: the next load converts again
+        log.warning("could not keep the converted records in %s: %s", image.parent, e)
+
+
+def build_block_model(cfg: ModelConfig, file: GGUFFile, path: str,
+                      progress: Callable[[int], None] | None = None) -> tuple[LlamaModel, int]:
+    """The model of a GGUF file on compute path `path` (q4 or q8), and its parameter count."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    plans = plan(cfg, file, path)
+    cfg.tie_word_embeddings = plans[-1].parts[0] == "model.embed_tokens.weight"
+    total = sum(lp.nbytes for lp in plans)
+    arena = bq.HugePageArena(total)
+    area = arena.take(total)
+    cache = _cache_paths(file, path, plans)
+    cached = cache is not None and cache[0].exists() and _read_cache(*cache, area)
+    n_params, at = 0, 0
+    for i, lp in enumerate(plans):
+        dest = area[at : at + lp.nbytes]
+        at += lp.nbytes
+        if not cached:
+            _convert(file, lp, dest)
+        bias = None
+        if lp.module.endswith("qkv_proj") and cfg.attention_bias:
+            bias = torch.cat([_small(file, n.replace(".weight", ".bias")) for n in lp.parts])
+            n_params += bias.numel()
+        owner, _, attr = lp.module.rpartition(".")
+        n = sum(lp.rows)
+        rec = 16 * bq.QK * lp.bits // 8 + 64
+        records = dest[: record_bytes(n, lp.in_features, lp.bits)].view(-(-n // 16), lp.in_features // bq.QK, rec)
+        setattr(model.get_submodule(owner) if owner else model, attr,
+                BlockLinear.from_packed(records, n, lp.in_features, lp.bits, bias))
+        if lp.module != "lm_head" or not cfg.tie_word_embeddings:
+            n_params += n * lp.in_features
+        if progress and lp.module.endswith("down_proj"):
+            progress(i // 4 + 1)
+    if cache is not None and not cached:
+        _write_cache(*cache, area)
+    emb, qtype, dim = file.raw("model.embed_tokens.weight")  # type: ignore[misc]
+    model.embed_tokens = GGUFEmbedding(emb, qtype, dim)
+    n_params += emb.shape[0] * dim
+    state = {"norm.weight": _small(file, "model.norm.weight")}
+    for i in range(cfg.num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"layers.{i}.{norm}.weight"] = _small(file, f"model.layers.{i}.{norm}.weight")
+    model.load_state_dict(state, strict=False, assign=True)
+    n_params += sum(t.numel() for t in state.values())
+    model.rotary = Rotary(cfg)
+    model.eval()
+    _trim_heap()
+    return model, n_params
+
+
+def _small(file: GGUFFile, name: str) -> torch.Tensor:
+    t = file.tensor(name)
+    if t is None:
+        raise KeyError(name)
+    return t
+
+
+def _trim_heap() -> None:
+    """Give the conversion's freed temporaries back to the system: glibc keeps freed blocks below
+    its (adaptive) mmap threshold in the heap, where they would count as the server's memory."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc

@@ -1,0 +1,140 @@
+"""A GGUF tensor's quantised blocks, read as they are into wafer's block records (blockquant.py).
+
+wafer's records hold, per 32 inputs of an output channel, unsigned codes with a scale d and a
+minimum m (value = d * code + m). Most of llama.cpp's block types are that already, or nearly:
+
+    Q4_0  d (q - 8)                     -> 4-bit codes q, m = -8 d          exact
+    Q4_1  d q + m                       -> 4-bit codes                      exact
+    Q4_K  d sc q - dmin mn  (per 32)    -> 4-bit codes, d sc and dmin mn    scales rounded to float16
+    Q5_0  d (q - 16)                    -> 8-bit codes q, m = -16 d         exact
+    Q5_1  d q + m                       -> 8-bit codes                      exact
+    Q5_K  as Q4_K with 5-bit q          -> 8-bit codes                      scales rounded to float16
+    Q8_0  d q                           -> 8-bit codes q + 128, m = -128 d  exact
+
+Any of them also goes into 8-bit records as it is (4-bit codes are 8-bit codes too). The others
+(Q6_K, whose scales change every 16 inputs; Q2_K, Q3_K; float tensors) are dequantised a few rows
+at a time and quantised to the record's width, so no tensor is ever held whole in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize
+from torch import nn
+
+from wafer.models import blockquant as bq
+
+FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)  # held exactly (to float16 scales) by 4-bit records
+AS_CODES = (*FOUR_BIT, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0)  # held so by 8-bit records
+ROWS_PER_CHUNK = 4096  # rows dequantised at once for the types that need it
+
+
+def bits_for(qtype: T, path: str) -> int:
+    """The record width a tensor of this type gets on a compute path: on q4 the narrowest that
+    keeps its precision (4 bits for 4-bit types and below, 8 for wider ones); on q8 always 8."""
+    return 8 if path == "q8" or qtype in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0) else 4
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    return raw.contiguous().view(torch.float16).squeeze(-1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes -> 32 codes: element j is byte j's low nibble, element j + 16 its high one."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """4 bytes (little-endian 32 bits) -> bit j of each, for j = 0..31."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes of a Q4_K/Q5_K block -> 6-bit scales and minimums of its eight sub-blocks
+    (llama.cpp's get_scale_min_k4)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _codes_of_blocks(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw [N, row bytes] of a type in AS_CODES -> codes [N, K] uint8, d and m [N, K/32] float16."""
+    n = raw.shape[0]
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = raw.reshape(n, -1, size)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        d = _f16(b[..., 0:2])
+        if qtype == T.Q8_0:
+            codes = (b[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+            return codes.reshape(n, -1), d, d * -128
+        if qtype in (T.Q4_1, T.Q5_1):
+            m, rest = _f16(b[..., 2:4]), b[..., 4:]
+        else:
+            m, rest = d * (-8 if qtype == T.Q4_0 else -16), b[..., 2:]
+        if qtype in (T.Q5_0, T.Q5_1):
+            codes = _nibbles(rest[..., 4:]) | (_high_bits(rest[..., :4]) << 4)
+        else:
+            codes = _nibbles(rest)
+        return codes.reshape(n, -1), d, m
+    # K types: 256 inputs a block, eight sub-blocks of 32 with 6-bit scales and minimums.
+    d, dmin = _f16(b[..., 0:2]).float(), _f16(b[..., 2:4]).float()
+    sc, mn = _k_scales(b[..., 4:16])
+    if qtype == T.Q4_K:
+        qs = b[..., 16:144].reshape(n, -1, 4, 1, 32)
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-2)  # sub-block 2c: low nibbles of chunk c, 2c+1: high
+    else:  # Q5_K: qh[32] then qs[128]; sub-block j's fifth bit is bit j of qh
+        qh, qs = b[..., 16:48], b[..., 48:176].reshape(n, -1, 4, 1, 32)
+        low = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 8, 32)
+        high = (qh.unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1
+        codes = low | (high << 4)
+    d32 = (d[..., None] * sc.float()).half().reshape(n, -1)
+    m32 = (-(dmin[..., None] * mn.float())).half().reshape(n, -1)
+    return codes.reshape(n, -1), d32, m32
+
+
+def _requantize(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Types the records cannot hold as they are: a few rows at a time through float32."""
+    out = []
+    for start in range(0, raw.shape[0], ROWS_PER_CHUNK):
+        rows = raw[start : start + ROWS_PER_CHUNK]
+        w = torch.from_numpy(np.asarray(dequantize(rows.numpy(), qtype), dtype=np.float32).reshape(-1, k))
+        if bits == 4:
+            qs, d, m = bq.quantize_q4(w)
+            out.append((_nibbles(qs.reshape(qs.shape[0], -1, 16)).reshape(qs.shape[0], k), d, m))
+        else:
+            q, d = bq.quantize_q8(w)
+            out.append(((q.to(torch.int16) + 128).to(torch.uint8), d, (d.float() * -128).half()))
+    return tuple(torch.cat(parts) for parts in zip(*out))  # type: ignore[return-value]
+
+
+def record_inputs(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF matrix's bytes [N, row bytes] -> what bq.pack_blocks takes: codes [N, K] uint8 and d, m
+    [N, K/32] float16, for records of `bits` bits."""
+    if qtype in AS_CODES and (bits == 8 or qtype in FOUR_BIT):
+        return _codes_of_blocks(raw, qtype)
+    return _requantize(raw, qtype, k, bits)
+
+
+def record_bytes(n: int, k: int, bits: int) -> int:
+    """Bytes of bq.pack_blocks's output for an [N, K] matrix."""
+    return -(-n // 16) * (k // bq.QK) * ((16 * bq.QK * bits) // 8 + 64)
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept in the file's own blocks; the rows a step needs are dequantised
+    on lookup (one row per token), so a quantised table never exists in float32."""
+
+    def __init__(self, raw: torch.Tensor, qtype: T, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("raw", raw)  # [vocab, row bytes] uint8
+        self.qtype = qtype
+        self.embedding_dim = dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.raw[ids.reshape(-1)]
+        w = np.asarray(dequantize(rows.numpy(), self.qtype), dtype=np.float32)
+        return torch.from_numpy(w.reshape(*ids.shape, self.embedding_dim))

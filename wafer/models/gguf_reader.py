@@ -100,10 +100,13 @@ class GGUFHeader:
     def _strings(self, count: int) -> list[str]:
         m, pos, out = self.map, self.pos, []
         unpack = struct.Struct("<Q").unpack_from
-        for _ in range(count):
-            (n,) = unpack(m, pos)
-            out.append(m[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
-            pos += 8 + n
+        try:
+            for _ in range(count):
+                (n,) = unpack(m, pos)
+                out.append(m[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
+                pos += 8 + n
+        except struct.error:
+            pos = len(m) + 1
         if pos > len(m):
             raise ValueError("the header runs past the end of the file (truncated?)")
         self.pos = pos

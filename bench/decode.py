@@ -146,6 +146,9 @@ def main() -> None:
     ap.add_argument("--isa", default="auto",
                     help="wafer's kernel variant (auto: the best this CPU runs; avx2: the AVX2 variant against "
                          "llama.cpp built for AVX2 only; any name of wafer/models/kernels.py)")
+    ap.add_argument("--model", default=None,
+                    help="a model of `wafer models` by name or tier (sol, terra, luna), or a GGUF path "
+                         "(default: the bundled SmolLM2)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--long-prompt", type=int, default=1024, help="tokens in the long-prompt TTFT case")
@@ -170,7 +173,10 @@ def main() -> None:
 
     variant = kernels.wanted()
     lc_isa = build_for(variant)
-    loaded = load_model(compute="auto")
+    from wafer.models.loader import resolve_path
+
+    model_path = str(resolve_path(args.model))
+    loaded = load_model(model_path, compute="auto")
     assert kernels.status().variant == variant, kernels.status()
     prompt_ids, wafer_run = wafer_runner(args.tokens, loaded=loaded)
     ids = prompt_ids(PROMPT)
@@ -184,7 +190,7 @@ def main() -> None:
         systems["transformers"] = hf_runner(args.tokens)[1]
     lc = None
     if available(lc_isa):
-        lc = LlamaCpp(lc_isa, n_ctx=2048, threads=THREADS)
+        lc = LlamaCpp(lc_isa, n_ctx=2048, threads=THREADS, model=model_path)
 
         def lc_run(prompt: list[int], n: int = args.tokens) -> tuple[float, float]:
             r = lc.generate(prompt, n, stop_at_eos=False)  # type: ignore[union-attr]
@@ -218,7 +224,7 @@ def main() -> None:
            for name in systems}
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; {kernels.features_line()}")
     print(f"wafer kernels: {variant}" + (f"; llama.cpp {lc_isa} build: {lc.system_info.strip()}" if lc else ""))
-    print(f"Single-stream decode, default model, {len(ids)}-token chat prompt, greedy, EOS suppressed, {args.tokens} "
+    print(f"Single-stream decode, {loaded.name}, {len(ids)}-token chat prompt, greedy, EOS suppressed, {args.tokens} "
           f"new tokens, {THREADS} threads, median of {args.repeats} (TTFT of {len(long_ids)} tokens: median of 3)")
     base_name = next((n for n in systems if n.startswith("llama-cpp")), main_name)
     base_dec, _, base_long = med[base_name]
@@ -236,7 +242,22 @@ def main() -> None:
           f"bandwidth ({bandwidth:.1f} GB/s, a float32 sum or GEMV over 1 GiB), which allows {bandwidth * 1e9 / nbytes:.0f} "
           f"tokens/s")
     if lc:
+        lc_bytes = gguf_step_bytes(model_path)
+        lc_dec = med[base_name][0]
+        print(f"{base_name}: a decode step reads {lc_bytes / 1e6:.1f} MB (the file's tensors but the embedding table); at "
+              f"{lc_dec:.1f} tokens/s that is {lc_bytes * lc_dec / 1e9:.1f} GB/s, "
+              f"{lc_bytes * lc_dec / 1e9 / bandwidth:.0%} of the measured read bandwidth")
         lc.close()
+
+
+def gguf_step_bytes(path: str) -> int:
+    """Bytes llama.cpp reads for one decode step: every tensor of the file as stored, except the
+    token embedding table, of which it reads one row (unless the head shares it)."""
+    from wafer.models.gguf_reader import GGUFHeader
+
+    header = GGUFHeader(Path(path))
+    tied = not any(t.name == "output.weight" for t in header.tensors)
+    return sum(t.n_bytes for t in header.tensors if t.name != "token_embd.weight" or tied)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from wafer.models import blockquant as bq
 from wafer.models.config import ModelConfig
 from wafer.models.gguf_blocks import GGUFEmbedding, bits_for, record_bytes, record_inputs
 from wafer.models.gguf_loader import GGUFFile
-from wafer.models.llama import LlamaModel, Rotary
+from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
 
 log = logging.getLogger(__name__)
@@ -114,20 +115,32 @@ def _cache_paths(file: GGUFFile, path: str, plans: list[LinearPlan]) -> tuple[Pa
 
 
 def _read_cache(image: Path, manifest: Path, area: torch.Tensor) -> bool:
+    """Read the records into the arena, a span per compute thread: the page faults of a fresh arena
+    (huge pages the kernel may have to assemble) cost more than the copy, and spread over threads."""
     try:
         if json.loads(manifest.read_text()).get("nbytes") != area.numel() or image.stat().st_size != area.numel():
             return False
         view = memoryview(area.numpy())
-        with open(image, "rb", buffering=0) as f:
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done:])
-                if not n:
-                    return False
-                done += n
-        return True
+        fd = os.open(image, os.O_RDONLY)
+        try:
+            span = -(-len(view) // torch.get_num_threads() // bq.HUGE_PAGE) * bq.HUGE_PAGE
+            with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+                parts = pool.map(lambda at: _pread(fd, view[at : at + span], at), range(0, len(view), span))
+                return all(parts)
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         return False
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> bool:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            return False  # the file is shorter than its manifest says
+        done += n
+    return True
 
 
 def _write_cache(image: Path, manifest: Path, area: torch.Tensor) -> None:
@@ -187,7 +200,6 @@ def build_block_model(cfg: ModelConfig, file: GGUFFile, path: str,
             state[f"layers.{i}.{norm}.weight"] = _small(file, f"model.layers.{i}.{norm}.weight")
     model.load_state_dict(state, strict=False, assign=True)
     n_params += sum(t.numel() for t in state.values())
-    model.rotary = Rotary(cfg)
     model.eval()
     _trim_heap()
     return model, n_params

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from wafer.models.config import ModelConfig
-from wafer.models.llama import LlamaModel, Rotary
+from wafer.models.llama import LlamaModel
 
 # Tensors get fetched lazily by name so that a loader never holds two copies of the model.
 TensorSource = Callable[[str], torch.Tensor | None]
@@ -55,8 +55,6 @@ def build_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    # Buffers made on the meta device must be recomputed for real.
-    model.rotary = Rotary(cfg)
     model.eval()
     return model
 

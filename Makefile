@@ -56,13 +56,18 @@ $(LLAMA_STAMP): $(STAMP) bench/build_llama_cpp.py
 	touch $(LLAMA_STAMP)
 
 bench: $(STAMP) $(LLAMA_STAMP)
+	$(BIN)/python bench/load.py
 	$(BIN)/python bench/decode.py
 	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/decode.py --isa avx2; fi
+	$(BIN)/python bench/decode.py --model sol
+	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/decode.py --model sol --isa avx2; fi
+	$(BIN)/python bench/decode.py --model terra
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/speculative.py
 	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/speculative.py --isa avx2; fi
 	$(BIN)/python bench/speculative.py --quant f32
+	$(BIN)/python bench/speculative.py --model sol --draft terra
 	$(BIN)/python bench/prefix_cache.py
 	$(BIN)/python bench/server_decode.py
 	$(BIN)/python bench/step_parts.py

@@ -1,10 +1,13 @@
-"""Speculative decoding: wafer with n-gram speculation vs wafer without it, side by side, single stream.
+"""Speculative decoding: wafer with n-gram speculation, and with a draft model, vs wafer without it,
+side by side, single stream.
 
-Two workloads on the default model, greedy, up to 256 new tokens, 2 threads:
-- input-grounded: "rename an identifier in this code and give back the whole code" over three
+Three workloads, greedy, up to 256 new tokens, 2 threads, on the default model or `--model`:
+- code edits: "rename an identifier in this code and give back the whole code" over three
   functions of Python's standard library, with the answer's first lines already written (the way
   editors ask for a rewrite), so the answer copies most of its input;
+- coding: three requests for new code, where the answer is the model's own;
 - free writing: three open prompts (a story, an essay, a letter), where little can be copied.
+`--draft terra` adds draft-model speculation with that model (same tokenizer) proposing.
 
 Decode tokens/s counts the tokens after the first over the time after the first, summed over the
 prompts of a workload; median of 3 runs. Greedy output with speculation must equal the output without
@@ -37,6 +40,11 @@ REWRITES = [
     (fnmatch.translate, "res", "out"),
     (difflib.SequenceMatcher.find_longest_match, "besti", "best_i"),
 ]
+CODING = [
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+    "Write a Python function that parses a CSV line with quoted fields and returns the fields.",
+]
 FREE = [
     "Write a long story about a dragon who learns to cook.",
     "Write an essay about why people enjoy gardening.",
@@ -57,16 +65,17 @@ def workloads(loaded) -> dict[str, list[list[int]]]:
         start = "\n".join(src.replace(old, new).splitlines()[:2]) + "\n"
         ask = f"Rename `{old}` to `{new}` in this code. Reply with the whole updated code.\n```python\n{src}\n```"
         grounded.append(ids(chat(ask) + "```python\n" + start))
-    return {"input-grounded": grounded, "free writing": [ids(chat(p)) for p in FREE]}
+    return {"code edits": grounded, "coding": [ids(chat(p)) for p in CODING],
+            "free writing": [ids(chat(p)) for p in FREE]}
 
 
-def wafer_runner(loaded, spec: str, k: int):
+def wafer_runner(loaded, spec: str, k: int, draft=None):
     from wafer.engine.engine import EngineConfig, LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.engine.speculative import SpeculativeConfig
 
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=4096, prefix_caching=False,
-                                            speculative=SpeculativeConfig.parse(spec, k)))
+                                            speculative=SpeculativeConfig.parse(spec, k)), draft=draft)
 
     def run(ids: list[int], n: int) -> tuple[list[int], float]:
         seq = engine.add(ids, SamplingParams(max_tokens=n, temperature=0))
@@ -80,10 +89,10 @@ def wafer_runner(loaded, spec: str, k: int):
     return engine, run
 
 
-def llama_cpp_run(isa: str):
+def llama_cpp_run(isa: str, model: str | None = None):
     if not available(isa):
         return None
-    llm = LlamaCpp(isa, n_ctx=4096, threads=THREADS)
+    llm = LlamaCpp(isa, n_ctx=4096, threads=THREADS, model=model)
 
     def run(ids: list[int], n: int) -> tuple[list[int], float]:
         r = llm.generate(ids, n)
@@ -109,46 +118,60 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quant", choices=["auto", "f32", "int8", "q8", "q4"], default="auto")
     ap.add_argument("--isa", default="auto", help="wafer's kernel variant, as in bench/decode.py")
+    ap.add_argument("--model", default=None, help="the target: a tier, a name of `wafer models` or a GGUF path "
+                                                  "(default: the bundled SmolLM2)")
+    ap.add_argument("--draft", default=None, help="also speculate with this draft model (a tier, name or path)")
+    ap.add_argument("--workloads", nargs="*", default=None, help="only these workloads")
     args = ap.parse_args()
     os.environ["WAFER_KERNELS"] = args.isa
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
-    from wafer.models.loader import load_model
+    from wafer.models.loader import load_model, resolve_path
 
-    loaded = load_model(compute=args.quant)
+    model_path = str(resolve_path(args.model))
+    loaded = load_model(model_path, compute=args.quant)
     loads = workloads(loaded)
+    if args.workloads:
+        loads = {k: v for k, v in loads.items() if k in args.workloads}
     plain_engine, plain = wafer_runner(loaded, "off", args.k)
-    spec_engine, spec = wafer_runner(loaded, "ngram", args.k)
     from wafer.models import kernels
 
     variant = kernels.wanted()
-    lcpp = llama_cpp_run(build_for(variant))
     label = f"wafer {loaded.compute} ({kernels.status().variant or 'PyTorch'})"
-    plain(loads["free writing"][0], 8)  # warm-up
-    spec(loads["free writing"][0], 8)
+    methods = {f"{label} + ngram k={args.k}": wafer_runner(loaded, "ngram", args.k)}
+    if args.draft:
+        draft = load_model(str(resolve_path(args.draft)), compute=args.quant)
+        methods[f"{label} + draft {draft.name} k={args.k}"] = wafer_runner(loaded, f"draft:{args.draft}", args.k, draft)
+    lcpp = llama_cpp_run(build_for(variant), model_path)
+    plain(loads[next(iter(loads))][0], 8)  # warm-up
+    for _, run in methods.values():
+        run(loads[next(iter(loads))][0], 8)
 
     rows = []
+    per_position = {}
     for name, prompts in loads.items():
         base, tokens, ref = measure(plain, prompts, args.tokens, args.repeats)
-        before = (spec_engine.stats.spec.drafts, spec_engine.stats.spec.accepted_tokens)
-        fast, _, out = measure(spec, prompts, args.tokens, args.repeats)
-        drafts = spec_engine.stats.spec.drafts - before[0]
-        accepted = spec_engine.stats.spec.accepted_tokens - before[1]
-        same = "yes" if out == ref else "NO"
         rows.append([name, label, str(tokens), f"{base:.1f}", "-", "1.00x", "-"])
-        rows.append([name, f"{label} + ngram k={args.k}", str(tokens), f"{fast:.1f}",
-                     f"{1 + accepted / drafts:.2f}" if drafts else "-", f"{fast / base:.2f}x", same])
+        for method, (engine, run) in methods.items():
+            st = engine.stats.spec
+            before = (st.drafts, st.accepted_tokens, list(st.accepted_per_pos))
+            fast, _, out = measure(run, prompts, args.tokens, args.repeats)
+            drafts, accepted = st.drafts - before[0], st.accepted_tokens - before[1]
+            per_pos = [a - b for a, b in zip(st.accepted_per_pos, before[2] + [0] * len(st.accepted_per_pos))]
+            per_position[(name, method)] = ", ".join(f"{n / drafts:.2f}" for n in per_pos) if drafts else "-"
+            rows.append([name, method, str(tokens), f"{fast:.1f}", f"{1 + accepted / drafts:.2f}" if drafts else "-",
+                         f"{fast / base:.2f}x", "yes" if out == ref else "NO"])
         if lcpp is not None:
             speed, n, _ = measure(lcpp, prompts, args.tokens, args.repeats)
             rows.append([name, "llama-cpp-python", str(n), f"{speed:.1f}", "-", f"{speed / base:.2f}x", "-"])
         print(f"  measured {name}", file=sys.stderr)
-    st = spec_engine.stats.spec
-    print(f"Speculative decoding, default model ({label}), single stream, greedy, up to {args.tokens} new "
+    print(f"Speculative decoding, {loaded.name} ({label}), single stream, greedy, up to {args.tokens} new "
           f"tokens per prompt, {THREADS} threads, 3 prompts per workload, median of {args.repeats}")
     print(table(["workload", "system", "tokens", "decode tok/s", "acceptance length", "vs wafer", "same output"],
                 rows))
-    per_pos = ", ".join(f"{n / st.drafts:.2f}" for n in st.accepted_per_pos) if st.drafts else "-"
-    print(f"acceptance rate by draft position (all workloads): {per_pos}")
+    print("acceptance rate by draft position (accepted / proposals at positions 1..k):")
+    for (name, method), text in per_position.items():
+        print(f"  {name}, {method}: {text}")
 
 
 if __name__ == "__main__":

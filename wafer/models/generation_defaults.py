@@ -25,6 +25,10 @@ RECOMMENDED: dict[str, dict[str, float]] = {
     # https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct (the bundled model): the card's
     # example generates with `temperature=0.2, top_p=0.9, do_sample=True`.
     "smollm2-135m-instruct": {"temperature": 0.2, "top_p": 0.9},
+    # https://huggingface.co/Qwen/Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct: their
+    # generation_config.json (Qwen's small instruct models: repetition penalty 1.1, not 1.05).
+    "qwen2.5-coder-1.5b-instruct": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1},
+    "qwen2.5-coder-0.5b-instruct": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1},
 }
 
 # gguf.constants.Keys.General.SAMPLING_* (gguf 0.19): llama.cpp's names for the same settings.

@@ -15,7 +15,9 @@ rejected: 3.6x the perplexity on the default model.
 (Q8_0), run by wafer's own kernels (kernels.py: the best variant of AVX-512, AVX2, NEON or portable
 C++ that the CPU runs) at every batch size, prefill included: measured on AVX-512 they beat float32
 GEMM from 1 row (3.3 ms vs 20 for all the layers) to 256 (177 ms vs 307). From a Q4_1 GGUF these
-are the file's own weights. With WAFER_KERNELS=off, or where they could not be built, it falls back
+are the file's own weights; from any GGUF, block_model.py reads the file's blocks into these formats
+directly (4-bit types into 4-bit blocks, wider ones into 8-bit blocks, gguf_blocks.py), without a
+float32 copy of the model. With WAFER_KERNELS=off, or where they could not be built, it falls back
 to `int8`, with a warning (kernel_report).
 `q8`: every linear layer in 8-bit blocks (Q8_0) on the same kernels: near-lossless, half of q4's speed.
 """
@@ -138,10 +140,11 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
 def describe(path: str) -> str:
     return {"f32": "float32 (dense, dequantised at load)",
             "bf16": "bfloat16 (dense), decode steps replayed from CUDA graphs",
-            "q8": "8-bit blocks (Q8_0) for every layer, int8 activations, wafer's kernels",
+            "q8": "8-bit blocks for every layer (a file's 4- to 8-bit blocks as they are), int8 activations, "
+                  "wafer's kernels",
             "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill",
-            "q4": "4-bit blocks (Q4_1) for the layers, 8-bit blocks (Q8_0) for the head, int8 activations, "
-                  "wafer's kernels"}[path]
+            "q4": "4-bit blocks for 4-bit file weights (Q4_0, Q4_1, Q4_K), 8-bit blocks for wider ones and the "
+                  "head, int8 activations, wafer's kernels"}[path]
 
 
 def kernel_report(path: str, requested: str = "auto", device: str = "cpu") -> tuple[str, str | None]:

@@ -158,8 +158,15 @@ def catalog_config(options: dict[str, int], quant: str = "auto", settings: dict[
     installed = [m for m in catalog.CATALOG if catalog.installed_path(m) is not None]
     if not installed:
         raise ConfigError("no model of `wafer models` is installed; run `wafer models install`")
-    models = {m.name: LocalModelConfig(m.name, str(catalog.installed_path(m)), dict(options), quant,
-                                       **(settings or {})) for m in installed}
+    settings = dict(settings or {})
+    draft = catalog.find(str(settings.get("speculative", "")).removeprefix("draft:"))
+    models = {}
+    for m in installed:
+        own = dict(settings)
+        if str(own.get("speculative", "")).startswith("draft:") and draft is not None and \
+                catalog.CATALOG.index(m) >= catalog.CATALOG.index(draft):
+            own["speculative"] = "off"  # a draft drafts for the larger tiers, not for itself or smaller ones
+        models[m.name] = LocalModelConfig(m.name, str(catalog.installed_path(m)), dict(options), quant, **own)
     tiers: dict[str, list[str]] = {}
     notes = []
     order = [m.tier for m in catalog.CATALOG]

@@ -106,3 +106,32 @@ def test_plan_keeps_the_files_precision():
     assert {lp.bits for lp in q4[:-1]} == {4} and q4[-1].bits == 8 and q4[-1].module == "lm_head"
     assert {lp.bits for lp in block_model.plan(f.config, f, "q8")} == {8}
     assert q4[0].parts[0].endswith("q_proj.weight") and len(q4[0].parts) == 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_parts_that_end_mid_group_and_rope_rows(tmp_path, arch):
+    """Q, K and V of 8 rows each (a KV head of dim 8) stack mid-group; llama's Q and K rows come
+    permuted in the file. The direct records still equal the float route's."""
+    import copy
+
+    from gguf import GGMLQuantizationType
+
+    from tests.tiny import hf_to_gguf, make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", arch, hidden_size=96, intermediate_size=128, num_attention_heads=12,
+                       num_key_value_heads=1)
+    path = hf_to_gguf(hf, tmp_path / "m.gguf", GGMLQuantizationType.Q4_1)
+    direct = load_model(str(path), compute="q4")
+    via_float = apply_compute_path(copy.deepcopy(load_model(str(path), compute="f32").model), "q4")
+    a, b = records(direct.model), records(via_float)
+    assert direct.model.layers[0].self_attn.qkv_proj.out_features == 96 + 8 + 8
+    for name in a:
+        if name != "lm_head":  # the head is 8-bit from Q4_1 directly, quantised again on the float route
+            assert torch.equal(a[name], b[name]), name
+    # The head holds the file's 4-bit values exactly in 8-bit records: only the activations are rounded.
+    from wafer.models.blockquant import quantize_activations
+
+    w = load_model(str(path), compute="f32").model.lm_head.weight.detach()
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    exact = quantize_activations(x) @ w.T
+    assert (direct.model.lm_head(x) - exact).abs().max() < 1e-4 * exact.abs().max()

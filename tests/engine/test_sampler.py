@@ -94,3 +94,19 @@ def test_best_is_torch_max_index():
         assert best(x).tolist() == x.max(dim=-1).indices.tolist(), x.shape
         assert best(x[0]).item() == x[0].max(dim=-1).indices.item()
         assert best(x[0]).dim() == 0
+
+
+def test_extreme_penalty_or_temperature_still_samples():
+    """repetition_penalty 1e-300 sends a seen token's logit to infinity, and a temperature of 1e-9
+    overflows ordinary ones: neither may give NaN probabilities (which failed the whole step, every
+    sequence in it with the bad one). The infinite logit wins, as it does greedily."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 5
+    logits[0, 7] = 4.0  # token 7 is in the first sequence's prompt, with a positive logit
+    seqs = [Sequence([7, 9], SamplingParams(temperature=0.7, repetition_penalty=1e-300)),
+            Sequence([1], SamplingParams(temperature=1e-9)),
+            Sequence([1], SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1e-300))]
+    chosen, _ = Sampler(seed=0)(logits.clone(), seqs)
+    assert chosen[0] == 7
+    assert chosen[1] == int(logits[1].argmax())
+    assert 0 <= chosen[2] < 50

@@ -172,3 +172,25 @@ def test_sdk_maps_errors(client):
     with pytest.raises(BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=OK_MSG, temperature=9)
     assert e.value.param == "temperature"
+
+
+def test_extreme_repetition_penalty_fails_no_one(server):
+    """repetition_penalty 1e-300 is in range (above 0, as vLLM allows): it answers, and so does the
+    request decoding beside it (it used to fail the step, and with it every running request)."""
+    import threading
+
+    results: dict[str, httpx.Response] = {}
+
+    def ask(name: str, **kw) -> None:
+        results[name] = httpx.post(server.base_url + CHAT, json=chat(max_tokens=12, ignore_eos=True, **kw), timeout=60)
+
+    threads = [threading.Thread(target=ask, args=("bad",), kwargs={"repetition_penalty": 1e-300, "temperature": 0.7}),
+               threading.Thread(target=ask, args=("good",), kwargs={"temperature": 0.7})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in ("bad", "good"):
+        r = results[name]
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["usage"]["completion_tokens"] == 12

@@ -81,7 +81,11 @@ class Sampler:
             row = apply_penalties(row.clone(), seq)
         if p.greedy:
             return row
-        return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+        # Extreme penalties (repetition_penalty 1e-300 divides a logit to infinity) or temperatures must
+        # not make NaN probabilities, which would fail the whole step: an infinite logit becomes the
+        # largest float, so it wins outright, as it would greedily.
+        scaled = torch.nan_to_num(row / p.temperature, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+        return filter_logits(scaled, p.top_k, p.top_p, p.min_p).softmax(-1)
 
     def sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         dist = self.processed(row, seq)

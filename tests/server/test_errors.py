@@ -51,6 +51,17 @@ CASES = [
     ("logit_bias key", "POST", CHAT, chat(logit_bias={"hello": 1}), 400, "logit_bias", None),
     ("logit_bias value", "POST", CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias.5", None),
     ("logit_bias token out of vocab", "POST", CHAT, chat(logit_bias={"999999": 1}), 400, "logit_bias", None),
+    ("logit_bias key --1", "POST", CHAT, chat(logit_bias={"--1": 1}), 400, "logit_bias", None),
+    ("logit_bias key superscript", "POST", CHAT, chat(logit_bias={"\u00b2": 1}), 400, "logit_bias", None),
+    ("logit_bias key 5000 digits", "POST", CHAT, chat(logit_bias={"7" * 5000: 1}), 400, "logit_bias", None),
+    ("integer of 5000 digits", "POST", CHAT, json.dumps(chat()).encode()[:-1] + b', "seed": ' + b"9" * 5000 + b"}",
+     400, None, "invalid_json"),
+    ("json nested 100000 deep", "POST", CHAT, b'{"model": "m", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400,
+     None, "invalid_json"),
+    ("lone surrogate in content", "POST", CHAT,
+     json.dumps(chat(messages=[{"role": "user", "content": "hi \ud800"}])).encode(), 400, None, "invalid_json"),
+    ("lone surrogate in prompt", "POST", COMP, json.dumps({"model": MODEL, "prompt": "a\udfff"}).encode(), 400, None,
+     "invalid_json"),
     ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=3), 400, "top_logprobs", None),
     ("top_logprobs too many", "POST", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs", None),
     ("logprobs not bool", "POST", CHAT, chat(logprobs="yes"), 400, "logprobs", None),
@@ -144,11 +155,12 @@ def keyed(smollm):
     s.stop()
 
 
-@pytest.mark.parametrize("header", [None, "Bearer wrong", "sk-one", "Basic sk-one"])
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "sk-one", "Basic sk-one", "Bearer s\u00e9cret".encode()])
 def test_auth_401(keyed, header):
     headers = {"authorization": header} if header else {}
     r = httpx.post(keyed.base_url + CHAT, json=chat(max_tokens=2), headers=headers, timeout=30)
     assert r.status_code == 401 and check_shape(r)["code"] == "invalid_api_key"
+    assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(keyed.base_url + "/v1/models", headers=headers).status_code == 401
 
 
@@ -194,3 +206,12 @@ def test_extreme_repetition_penalty_fails_no_one(server):
         r = results[name]
         assert r.status_code == 200, (name, r.text)
         assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_escaped_surrogate_pair_is_a_character(server):
+    """An emoji escaped as a UTF-16 pair (json.dumps does so by default) is valid and answered."""
+    body = json.dumps(chat(max_tokens=2, messages=[{"role": "user", "content": "hi \U0001F600"}]))
+    assert "\\ud83d\\ude00" in body
+    r = httpx.post(server.base_url + CHAT, content=body.encode(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 200, r.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 from importlib.resources import files
 from typing import Any
@@ -110,6 +111,28 @@ def prompt_counter(served: ServedModel):  # type: ignore[no-untyped-def]
     return count
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate can reach JSON text
+
+
+def _valid_unicode(value: Any) -> bool:
+    """Whether every string in a parsed body is encodable (JSON escapes may leave a lone surrogate,
+    which no tokenizer takes). Iterative: the body may be nested as deep as the parser allows."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return True
+
+
 def create_app(
     models: ServedModel | list[ServedModel],
     api_keys: list[str] | None = None,
@@ -155,21 +178,31 @@ def create_app(
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        challenge = {"WWW-Authenticate": "Bearer"}  # RFC 6750: what a 401 asks for
         if not header:
             raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
-                           "invalid_request_error", None, "invalid_api_key")
-        if scheme.lower() != "bearer" or not any(secrets.compare_digest(token.strip(), k) for k in keys):
-            raise APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
+                           "invalid_request_error", None, "invalid_api_key", challenge)
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters, and any client may send
+        # such a header (its bytes, which Starlette decoded as latin-1, against the key's UTF-8).
+        given = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not any(secrets.compare_digest(given, k.encode()) for k in keys):
+            raise APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key",
+                           challenge)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     async def read_json(request: Request) -> Any:
         raw = await request.body()
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"We could not parse the JSON body of your request ({getattr(e, 'msg', e)}).",
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an integer over 4,300 digits, deep nesting
+            reason = getattr(e, "msg", None) or ("nested too deeply" if isinstance(e, RecursionError) else str(e))
+            raise APIError(400, f"We could not parse the JSON body of your request ({reason}).",
                            "invalid_request_error", None, "invalid_json") from None
+        if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(body):
+            raise APIError(400, "We could not parse the JSON body of your request (a string holds a lone UTF-16 "
+                           "surrogate, which is not a character).", "invalid_request_error", None, "invalid_json")
+        return body
 
     def not_found(name: str) -> APIError:
         return APIError(404, f"The model `{name}` does not exist or you do not have access to it.",

@@ -6,6 +6,8 @@ ignored, as OpenAI-compatible clients send many.
 
 from __future__ import annotations
 
+import re
+
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -111,8 +113,10 @@ class _Sampling(_Body):
     @classmethod
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            # ASCII digits only, and few enough for int(): str.isdigit() also takes '²', and int()
+            # refuses over 4,300 digits.
+            if not re.fullmatch(r"-?[0-9]{1,12}", key):
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}")
         return v
 
     @property

@@ -50,7 +50,7 @@ class CompletionHandler(GenerationHandler):
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                 "system_fingerprint": self.m.fingerprint}
         n_prompt = sum(len(p) for p in prompts)
-        streams = self._submit(jobs, rid)
+        streams = self._submit(jobs, rid, "prompt" if len(jobs) > (req.n or 1) else "n")
         if req.stream:
             return EventStreamResponse(self._completion_stream(streams, head, n_prompt, req.include_usage,
                                                                   req.logprobs is not None, echoes))

@@ -132,7 +132,13 @@ class GenerationHandler:
             )
         return requested
 
-    def _submit(self, jobs: list[tuple[list[int], SamplingParams]], rid: str) -> list[EngineRequest]:
+    def _submit(self, jobs: list[tuple[list[int], SamplingParams]], rid: str, param: str = "n") -> list[EngineRequest]:
+        """Queue every choice of a request; `param` names what made them many, for the 400 of a
+        request that has more than the engine's whole queue could ever admit at once."""
+        limit = self.m.engine.max_waiting
+        if len(jobs) > limit:  # never admitted, however idle the server: not a 429 to retry
+            raise bad_request(f"This request asks for {len(jobs)} completions; this server queues at most {limit} at "
+                              f"once (--max-waiting). Ask for fewer.", param)
         reqs: list[EngineRequest] = []
         # Several choices share one queue, each output tagged with its choice's index.
         shared = asyncio.Queue() if len(jobs) > 1 else None

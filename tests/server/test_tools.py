@@ -206,3 +206,34 @@ def test_openai_agents_sdk_end_to_end(server):
     result = asyncio.run(agents.Runner.run(agent, "What's the weather in Lisbon?", max_turns=3))
     assert len(calls) == 1
     assert result.final_output == f"The weather in {calls[0]} is 21 degrees and sunny."
+
+
+def test_tool_schema_with_refs_into_defs(client):
+    """pydantic writes nested arguments as `$ref` into the schema's own `$defs` (the Agents SDK and
+    pydantic-ai send such schemas); two tools may even use the same definition names."""
+
+    class Item(BaseModel):
+        sku: str
+        quantity: int
+
+    class Order(BaseModel):
+        item: Item
+        note: str
+
+    class Other(BaseModel):
+        item: Item
+
+    order, other = Order.model_json_schema(), Other.model_json_schema()
+    assert "$defs" in order and "$ref" in json.dumps(order["properties"])
+    tools = [{"type": "function", "function": {"name": "place_order", "parameters": order}},
+             {"type": "function", "function": {"name": "other", "parameters": other}}]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Order 3 of sku A7."}],
+                                       tools=tools, tool_choice={"type": "function", "function": {"name": "place_order"}},
+                                       max_tokens=120, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), order)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Order 3 of sku A7."}],
+                                       tools=tools, tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=120, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), order if call.function.name == "place_order" else other)

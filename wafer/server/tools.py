@@ -34,9 +34,33 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
     return schema
 
 
-def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _call_schema(name: str, parameters: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schema of one call of a tool, and the definitions its arguments refer to. Those sit at the
+    root of the arguments' schema (`$defs`, as pydantic writes them, or `definitions`), which is no
+    longer the root once nested in the call: they move to the grammar's root under names of this
+    tool's own, and the references follow."""
+    parameters = parameters or {"type": "object"}
+    defs = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    prefix = f"{name}__"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                for base in ("#/$defs/", "#/definitions/"):
+                    if value.startswith(base):
+                        value = "#/$defs/" + prefix + value[len(base):]
+            out[key] = rewrite(value)
+        return out
+
+    arguments = rewrite({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")})
+    schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    return schema, {prefix + k: rewrite(v) for k, v in defs.items()}
 
 
 def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
@@ -46,8 +70,12 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], para
         name = choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
         choice, parallel = "required", False
-    schemas = [_call_schema(t["function"]["name"], t["function"].get("parameters") or {}) for t in tools]
+    calls = [_call_schema(t["function"]["name"], t["function"].get("parameters") or {}) for t in tools]
+    schemas = [schema for schema, _ in calls]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    defs = {k: v for _, d in calls for k, v in d.items()}
+    if defs:
+        body = {**body, "$defs": defs}
     lark = [
         f"calls: {'call+' if parallel else 'call'}",
         f'call: "{OPEN}" body "{CLOSE}"',

@@ -70,3 +70,45 @@ def test_sigterm_drains_then_exits_zero():
     short_text = sum(1 for e in results["short"][:-1] if json.loads(e)["choices"][0]["delta"].get("content"))
     assert short_text >= 30
     assert len(results["long"]) < 3000
+
+
+def test_requests_never_started_get_503_not_an_empty_answer():
+    """At the end of the grace period, a queued request that never produced a token is answered 503
+    (with Retry-After), not 200 with empty content and no tokens, which a client would take for an
+    answer; the running one ends with what it has, finish_reason "length"."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wafer.cli", "serve", "--port", str(port), "--max-running", "1",
+         "--shutdown-grace", "1", "--served-model-name", MODEL],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    threading.Thread(target=lambda: list(iter(proc.stdout.readline, "")), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    results: dict[str, httpx.Response] = {}
+
+    def ask(name: str) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 3000,
+                "ignore_eos": True}
+        results[name] = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+
+    try:
+        wait_healthy(base, 120)
+        running = threading.Thread(target=ask, args=("running",))
+        running.start()
+        time.sleep(0.5)  # the first is decoding (one sequence at a time), the second will wait
+        queued = threading.Thread(target=ask, args=("queued",))
+        queued.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        running.join(60)
+        queued.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    r = results["running"]
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert 0 < r.json()["usage"]["completion_tokens"] < 3000
+    q = results["queued"]
+    assert q.status_code == 503 and q.headers["retry-after"] == "5", q.text
+    assert q.json()["error"]["code"] == "unavailable"

@@ -147,6 +147,9 @@ class AsyncEngine:
             n_out = len(seq.output_ids) if seq else 0
             text = seq.text[seq.emitted :] if seq else ""
             self.engine.abort(req.seq_id)  # type: ignore[arg-type]
+            if n_out == 0:  # never started: an empty "answer" would read as one; say it was not served
+                self._deliver(req, EngineStopped("the server shut down before this request was served"))
+                continue
             self._deliver(req, SequenceOutput(req.seq_id or -1, [], text, True, reason, [],
                                               seq.num_prompt if seq else 0, n_out, 0))
         self._requests.clear()

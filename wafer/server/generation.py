@@ -30,6 +30,11 @@ from wafer.server.metrics import ServerMetrics
 from wafer.server.protocol import _Sampling
 
 log = logging.getLogger("wafer.server")
+
+
+def _shutting_down(e: Exception) -> APIError:
+    return APIError(503, f"The server is shutting down ({e}).", "server_error", None, "unavailable",
+                    {"Retry-After": "5"})
 _PING = object()  # put in a request's queue when ping_interval passes without an output
 TEXT_HOLE = "\x00wafer-text\x00"  # stands for a chunk's text in a pre-rendered event
 
@@ -154,8 +159,7 @@ class GenerationHandler:
         except EngineStopped as e:
             for r in reqs:
                 self.m.engine.abort(r)
-            raise APIError(503, f"The server is shutting down ({e}).", "server_error", None, "unavailable",
-                           {"Retry-After": "5"}) from None
+            raise _shutting_down(e) from None
         return reqs
 
     async def _merge(self, streams: list[EngineRequest], n_prompt: int,
@@ -241,6 +245,8 @@ class GenerationHandler:
             raise server_error(f"The engine failed while processing the request (request id {rid}).")
         if isinstance(out, ValueError):
             raise bad_request(str(out))
+        if isinstance(out, EngineStopped):
+            raise _shutting_down(out)
         if isinstance(out, Exception):
             log.error("request %s failed: %r", rid, out)
             raise server_error(f"Internal error (request id {rid}).")
@@ -272,6 +278,8 @@ class GenerationHandler:
             self.m.metrics.error(e.status if isinstance(e, APIError) else 500, self.m.names[0])
         if isinstance(e, APIError):
             return sse(e.body())
+        if isinstance(e, EngineStopped):
+            return sse(_shutting_down(e).body())
         if isinstance(e, EngineFailure):
             log.error("request %s failed in the engine mid-stream: %s", rid, e)
             return sse(server_error(f"The engine failed while processing the request (request id {rid}).").body())

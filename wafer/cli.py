@@ -266,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", default=None, help=model_help)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
+    s.add_argument("--api-key", action="append", default=[],
+                   help="accepted bearer key (repeatable; visible to `ps`: prefer $WAFER_API_KEY, comma-separated, "
+                        "or --api-key-file)")
+    s.add_argument("--api-key-file", default=None, help="file of accepted bearer keys, one per line")
     s.add_argument("--max-running", type=int, default=16, help="sequences decoded together")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--max-model-len", type=int, default=4096, help="context to allocate per sequence")

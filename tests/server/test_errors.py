@@ -219,3 +219,19 @@ def test_escaped_surrogate_pair_is_a_character(server):
     r = httpx.post(server.base_url + CHAT, content=body.encode(), headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_api_keys_from_flag_environment_and_file(tmp_path):
+    from wafer.router.config import ConfigError
+    from wafer.server.main import api_keys
+
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nsk-file-1\n\n  sk-file-2  \n")
+    assert api_keys(["sk-flag"], str(f), {"WAFER_API_KEY": "sk-env-1, sk-env-2"}) == [
+        "sk-flag", "sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2"]
+    assert api_keys([], None, {}) == []
+    with pytest.raises(ConfigError, match="no such file|No such file"):
+        api_keys([], str(tmp_path / "missing"), {})
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="no key"):
+        api_keys([], str(tmp_path / "empty"), {})

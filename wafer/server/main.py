@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -219,12 +220,30 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
     return served
 
 
+def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None = None) -> list[str]:
+    """The accepted keys: --api-key (which `ps` shows to every user of the machine), $WAFER_API_KEY
+    (comma-separated) and --api-key-file (one key per line; blank lines and # comments skipped)."""
+    env = os.environ if env is None else env
+    keys = [k for k in given if k]
+    keys += [k.strip() for k in env.get("WAFER_API_KEY", "").split(",") if k.strip()]
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {key_file}: {e.strerror or e}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not keys:
+            raise ConfigError(f"--api-key-file {key_file}: no key in it")
+    return keys
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
                "max_batched_tokens": args.max_batched_tokens}
     settings = {"device": args.device, "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
                 "prefix_caching": not args.no_prefix_caching}
+    keys = api_keys(args.api_key, args.api_key_file)  # before the models load: a bad key file fails fast
     notes: list[str] = []
     if args.config:
         cfg = load_config(Path(args.config), options, args.quant, settings)
@@ -237,7 +256,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"  WARNING {note}", file=sys.stderr, flush=True)
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
-    app = create_app(served, args.api_key, router=router, upstreams=cfg.upstreams)
+    app = create_app(served, keys, router=router, upstreams=cfg.upstreams)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, served, args.shutdown_grace)

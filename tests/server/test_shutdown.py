@@ -15,20 +15,28 @@ import httpx
 from tests.serving import MODEL, free_port, wait_healthy
 
 
-def test_sigterm_drains_then_exits_zero():
+def start_serve(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """`wafer serve ARGS` on a free port: the process, its base URL, and its output lines as they come."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "wafer.cli", "serve", "--port", str(port), "--max-running", "4",
-         "--shutdown-grace", "3", "--served-model-name", MODEL, "--served-model-name", "smol"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "wafer.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    base = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", lines
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_sigterm_drains_then_exits_zero():
+    proc, base, lines = start_serve("--max-running", "4", "--shutdown-grace", "3", "--served-model-name", MODEL,
+                                    "--served-model-name", "smol")
     try:
         wait_healthy(base, 120)
         startup = "".join(lines)
-        assert f"http://127.0.0.1:{port}/v1" in startup and MODEL in startup and "smol" in startup
+        assert f"{base}/v1" in startup and MODEL in startup and "smol" in startup
         ids = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
         assert ids[0] == MODEL and "smol" in ids and "gpt-5.6" in ids
 
@@ -57,8 +65,7 @@ def test_sigterm_drains_then_exits_zero():
         long.join(60)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
+        stop(proc)
 
     for name, expected_reason in (("short", "length"), ("long", "length")):
         events = results[name]
@@ -76,14 +83,7 @@ def test_requests_never_started_get_503_not_an_empty_answer():
     """At the end of the grace period, a queued request that never produced a token is answered 503
     (with Retry-After), not 200 with empty content and no tokens, which a client would take for an
     answer; the running one ends with what it has, finish_reason "length"."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "wafer.cli", "serve", "--port", str(port), "--max-running", "1",
-         "--shutdown-grace", "1", "--served-model-name", MODEL],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    threading.Thread(target=lambda: list(iter(proc.stdout.readline, "")), daemon=True).start()
-    base = f"http://127.0.0.1:{port}"
+    proc, base, _ = start_serve("--max-running", "1", "--shutdown-grace", "1", "--served-model-name", MODEL)
     results: dict[str, httpx.Response] = {}
 
     def ask(name: str) -> None:
@@ -104,8 +104,7 @@ def test_requests_never_started_get_503_not_an_empty_answer():
         queued.join(60)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
+        stop(proc)
     r = results["running"]
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert 0 < r.json()["usage"]["completion_tokens"] < 3000

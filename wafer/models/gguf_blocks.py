@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 from torch import nn
 
 from wafer.models import blockquant as bq
@@ -54,11 +54,10 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 12 bytes of a Q4_K/Q5_K block -> 6-bit scales and minimums of its eight sub-blocks
-    (llama.cpp's get_scale_min_k4)."""
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mn
+    (gguf-py's unpacking, which Q5_K shares)."""
+    sc, mn = Q4_K.get_scale_min(s.reshape(-1, 12).numpy())
+    shape = (*s.shape[:-1], 8)
+    return torch.from_numpy(sc).reshape(shape), torch.from_numpy(mn).reshape(shape)
 
 
 def _codes_of_blocks(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -237,19 +237,12 @@ def estimate_bytes(model: str | None, compute: str = "f32") -> int:
         resolved = "f32"
     if resolved not in ("q4", "q8"):
         return sum(int(t.n_elements) for t in f.header.tensors) * 4
-    from wafer.models.gguf_blocks import bits_for, record_bytes
+    from wafer.models.block_model import plan
 
-    total = 0
-    for t in f.header.tensors:
-        if len(t.shape) < 2:
-            total += t.n_elements * 4
-            continue
-        k, n = int(t.shape[0]), t.n_elements // int(t.shape[0])
-        if t.name == "token_embd.weight":  # kept in the file's blocks; the head's records when tied
-            total += t.n_bytes + (record_bytes(n, k, 8) if "output.weight" not in f.tensors else 0)
-        else:
-            total += record_bytes(n, k, 8 if t.name == "output.weight" else bits_for(t.tensor_type, resolved))
-    return total
+    # The records build_block_model makes, the norms in float32, and the embedding in the file's blocks.
+    records = sum(lp.nbytes for lp in plan(f.config, f, resolved))
+    small = sum(t.n_elements * 4 for t in f.header.tensors if len(t.shape) < 2)
+    return records + small + f.tensors["token_embd.weight"].n_bytes
 
 
 def load_tokenizer(model: str | None = None) -> TextTokenizer:
@@ -300,11 +293,11 @@ def load_model(
             loaded = _load_hf(path.parent, dtype, progress)
         else:
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) nor a model directory")
-    loaded.kernels, loaded.warning = kernel_report(resolve_or_raise(compute, device, loaded.config.quantization),
-                                                   compute, device)
+    resolved = resolve_or_raise(compute, device, loaded.config.quantization)
+    loaded.kernels, loaded.warning = kernel_report(resolved, compute, device)
     if not loaded.num_parameters:  # not yet made for its compute path (build_block_model)
         loaded.num_parameters = count_parameters(loaded.model)
-        loaded.compute = resolve_or_raise(compute, device, loaded.config.quantization)
+        loaded.compute = resolved
         loaded.model = apply_compute_path(loaded.model, loaded.compute)  # type: ignore[assignment]
     if device != "cpu":
         loaded.model.to(device=device, dtype=torch.bfloat16 if loaded.compute == "bf16" else torch.float32)

@@ -270,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted bearer key (repeatable; visible to `ps`: prefer $WAFER_API_KEY, comma-separated, "
                         "or --api-key-file)")
     s.add_argument("--api-key-file", default=None, help="file of accepted bearer keys, one per line")
+    s.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics and the dashboard's data need the API key too (default: open, as in vLLM)")
     s.add_argument("--max-running", type=int, default=16, help="sequences decoded together")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--max-model-len", type=int, default=4096, help="context to allocate per sequence")

@@ -235,3 +235,77 @@ def test_api_keys_from_flag_environment_and_file(tmp_path):
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ConfigError, match="no key"):
         api_keys([], str(tmp_path / "empty"), {})
+
+
+def _two_requests_on_one_connection(base_url: str, path: str, body: bytes) -> list[bytes]:
+    """Send the same POST twice on one keep-alive connection; the raw replies (a client library
+    would hide a closed connection by opening another)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(base_url)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    replies = []
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        f = s.makefile("rb")
+        for _ in range(2):
+            s.sendall(head + body)
+            status = f.readline()
+            headers = {}
+            while (line := f.readline()) not in (b"\r\n", b""):
+                k, _, v = line.decode().partition(":")
+                headers[k.strip().lower()] = v.strip()
+            replies.append(status + f.read(int(headers.get("content-length", 0))))
+    return replies
+
+
+def test_unexpected_failure_is_a_500_that_keeps_the_connection(server, monkeypatch):
+    from wafer.server.chat import ChatHandler
+
+    async def broken(self, req, request):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ChatHandler, "chat", broken)
+    first, second = _two_requests_on_one_connection(server.base_url, CHAT, json.dumps(chat(max_tokens=1)).encode())
+    for reply in (first, second):  # the second would find the connection closed (an empty read)
+        assert reply.startswith(b"HTTP/1.1 500"), reply[:200]
+        err = json.loads(reply.split(b"\r\n", 1)[1])["error"]
+        assert err["type"] == "server_error" and err["code"] == "internal_error"
+
+
+def test_openapi_describes_the_request_bodies(server):
+    import jsonschema
+
+    doc = httpx.get(server.base_url + "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas
+    for path, good, bad in [(CHAT, chat(max_tokens=2, temperature=0.5), chat(temperature="hot")),
+                            (COMP, {"model": MODEL, "prompt": ["a", "b"]}, {"model": MODEL, "prompt": {"a": 1}})]:
+        op = doc["paths"][path]["post"]
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        assert set(op["responses"]) == {"200", "400", "404", "413", "429", "500", "503"}
+        # The document's schema accepts what the server accepts and refuses what it refuses.
+        resolver = {**schema, "components": doc["components"]}
+        jsonschema.validate(good, resolver)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, resolver)
+        assert httpx.post(server.base_url + path, json=bad, timeout=30).status_code == 400
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            assert "422" not in op["responses"]
+
+
+def test_metrics_open_by_default_and_protected_on_request(smollm, server):
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+    s = start_server(smollm, api_keys=["sk-m"], max_running=1, protect_metrics=True)
+    try:
+        for path in ("/metrics", "/dashboard/data"):
+            r = httpx.get(s.base_url + path)
+            assert r.status_code == 401 and check_shape(r)["code"] == "invalid_api_key"
+            assert httpx.get(s.base_url + path, headers={"authorization": "Bearer sk-m"}).status_code == 200
+        doc = httpx.get(s.base_url + "/openapi.json").json()
+        assert doc["paths"][CHAT]["post"]["security"] == [{"bearer": []}]
+        assert httpx.get(s.base_url + "/health").status_code == 200
+    finally:
+        s.stop()

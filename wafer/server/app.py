@@ -21,9 +21,10 @@ from wafer.router.router import Router, UnknownModel
 from wafer.router.upstream import UpstreamUnavailable, forward
 from wafer.server.chat import ChatHandler
 from wafer.server.completions import CompletionHandler
-from wafer.server.errors import APIError, server_error
+from wafer.server.errors import APIError, CatchAll
 from wafer.server.generation import ServedModel
 from wafer.server.metrics import ServerMetrics, StatusCounter
+from wafer.server.openapi import install_openapi
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("wafer.server")
@@ -139,8 +140,11 @@ def create_app(
     router: Router | None = None,
     upstreams: dict[str, UpstreamConfig] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    protect_metrics: bool = False,
 ) -> FastAPI:
-    """The HTTP app over local models (each with its engine) and, through the router, upstreams."""
+    """The HTTP app over local models (each with its engine) and, through the router, upstreams.
+    `protect_metrics`: /metrics and the dashboard's data need the API key too (by default they are
+    open, as vLLM leaves /metrics, for a scraper on a private network)."""
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
@@ -165,11 +169,6 @@ def create_app(
     async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return APIError(e.status_code, str(e.detail), "invalid_request_error", None, kind).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return server_error("Internal server error.").response()
 
     async def authorize(request: Request) -> None:
         """Bearer keys, when the server has any (a dependency, not middleware: Starlette's
@@ -261,7 +260,9 @@ def create_app(
                                           if m.compute.get("warning")]},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    monitoring = [Depends(authorize)] if protect_metrics else []
+
+    @app.get("/metrics", dependencies=monitoring)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -273,7 +274,7 @@ def create_app(
     async def dashboard_js() -> Response:
         return Response((static / "dashboard.js").read_text(), media_type="application/javascript")
 
-    @app.get("/dashboard/data")
+    @app.get("/dashboard/data", dependencies=monitoring)
     async def dashboard_data() -> dict[str, Any]:
         return metrics.snapshot()
 
@@ -296,6 +297,8 @@ def create_app(
         return await dispatch("completions", request)
 
     app.include_router(v1)
+    install_openapi(app, secured=bool(keys))
+    app.add_middleware(CatchAll)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(StatusCounter, metrics=metrics)
     return app

@@ -1,4 +1,5 @@
-"""GET /metrics: Prometheus text that parses, with counters that add up to what clients saw."""
+"""GET /metrics: Prometheus text that parses, with counters that add up to what clients saw and
+latencies that agree with what `wafer bench` measured on the same requests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import MODEL, start_server
+from wafer.benchmark.runner import LoadConfig, run_async, run_load
+from wafer.benchmark.stats import cell_stats
+from wafer.benchmark.workload import synthetic
+
+
+# Server and client time the same requests from either end of a loopback socket; the issue's bound.
+def tolerance(seconds: float) -> float:
+    return max(0.1 * seconds, 0.02)
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +78,61 @@ def test_dashboard_data(fresh):
     page = httpx.get(fresh.base_url + "/dashboard")
     assert page.status_code == 200 and "dashboard.js" in page.text
     assert "http" not in httpx.get(fresh.base_url + "/dashboard.js").text.split("fetch(")[1][:20]
+
+
+@pytest.fixture(scope="module")
+def benched(smollm):
+    """A server that has served nothing but one `wafer bench` run: streamed chat requests of 800
+    prompt tokens, so that each first token waits for several steps of prefill. One at a time: the
+    engine steps on the server's event loop, so a request that arrives during a step is seen only
+    when the step ends, which no clock on the server can see past (the issue's isolation work).
+    Yields the server, the run's records and its report."""
+    s = start_server(smollm)
+    prompts = synthetic(s.served.tokenizer, 5, 800, 8, seed=19)
+    cfg = LoadConfig(s.base_url + "/v1", MODEL, concurrency=1, ignore_eos=True, timeout=300)
+    records, duration = run_async(run_load(cfg, prompts))
+    yield s, records, cell_stats(records, duration, None)
+    s.stop()
+
+
+def histogram(m: dict[str, float], name: str) -> tuple[float, float, dict[float, float]]:
+    """_sum, _count and the cumulative bucket counts by upper bound of one model's histogram."""
+    lbl = f"model_name={MODEL}"
+    buckets = {float(k.split("le=")[1].split(",")[0].rstrip("}")): v for k, v in m.items()
+               if k.startswith(f"{name}_bucket{{") and lbl in k}
+    return m[f"{name}_sum{{{lbl}}}"], m[f"{name}_count{{{lbl}}}"], buckets
+
+
+def agree_with_client(m: dict[str, float], name: str, client: list[float]) -> None:
+    """The histogram holds the client's values, each within `tolerance`: its mean from _sum/_count,
+    and at every bucket bound `le` a count between the client values that are surely below it
+    (v + tol <= le) and those that may be (v - tol <= le)."""
+    total, count, buckets = histogram(m, name)
+    assert count == len(client), name
+    mean = sum(client) / len(client)
+    assert abs(total / count - mean) <= tolerance(mean), f"{name}: server mean {total / count:.4f} s, client {mean:.4f}"
+    for le, n in buckets.items():
+        surely = sum(v + tolerance(v) <= le for v in client)
+        maybe = sum(v - tolerance(v) <= le for v in client)
+        assert surely <= n <= maybe, f"{name}: {n:g} at le={le}, client {sorted(client)}"
+
+
+def test_latency_histograms_match_wafer_bench(benched):
+    server, records, _ = benched
+    assert all(r.ok for r in records), [(r.status, r.error) for r in records if not r.ok]
+    ttfts = [r.ttft for r in records]
+    # The premise: first tokens slow enough that a server recording ~0 is far outside the tolerance.
+    assert min(ttfts) > 3 * tolerance(0), ttfts
+    m = scrape(server)
+    agree_with_client(m, "wafer:time_to_first_token_seconds", ttfts)
+    agree_with_client(m, "wafer:e2e_request_latency_seconds", [r.e2e for r in records])
+
+
+def test_dashboard_percentiles_match_wafer_bench(benched):
+    server, records, report = benched
+    d = httpx.get(server.base_url + "/dashboard/data").json()
+    assert d["window_requests"] == len(records)
+    for mine, theirs in (("ttft", "ttft_s"), ("e2e", "e2e_s")):
+        for p in ("p50", "p95"):
+            want = report[theirs][p]
+            assert abs(d[f"{mine}_{p}"] - want) <= tolerance(want), (mine, p, d[f"{mine}_{p}"], want)

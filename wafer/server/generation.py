@@ -202,6 +202,8 @@ class GenerationHandler:
                     timer.tokens(len(item.new_token_ids))
                     last[i] = item
                 yield i, item
+                if timer is not None:
+                    timer.delivered()  # a stream's consumer resumes this once it wrote the item out
             if timer is not None and len(last) == len(streams):
                 first = last[0]
                 timer.finish(_finish(first.finish_reason), n_prompt,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
             80.0, 160.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+# time.monotonic() when the request being handled reached the server, set by StatusCounter; a
+# context variable because a stream's body runs in a task of its own, after the route has returned.
+_ARRIVAL: ContextVar[float] = ContextVar("wafer_arrival")
+
+
+def arrival() -> float:
+    """When the request being handled arrived (now, outside one)."""
+    at = _ARRIVAL.get(None)
+    return time.monotonic() if at is None else at
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -29,13 +40,14 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 @dataclass
 class RequestTimer:
-    """Times one request from arrival to its last token, for the histograms."""
+    """Times one request from its arrival at the server (as vLLM does, and as a client does from
+    its send), for the histograms: TTFT to the first token delivered, latency to the last."""
 
     metrics: "ServerMetrics"
     model: str
-    start: float = field(default_factory=time.monotonic)
+    start: float = field(default_factory=arrival)
     first: float | None = None
-    last: float | None = None
+    last: float | None = None  # when the latest token was produced
     # Resolved once: `labels()` takes a lock and a lookup, and `tokens` runs for every token.
     _generated: Any = field(init=False, repr=False)
     _itl: Any = field(init=False, repr=False)
@@ -50,12 +62,18 @@ class RequestTimer:
             return
         now = time.monotonic()
         self._generated.inc(n)  # as they come, so rates are live
-        if self.first is None:
-            self.first = now
-            self.metrics.ttft.labels(self.model).observe(now - self.start)
-        elif self.last is not None:
+        if self.last is not None:
             self._itl.observe(now - self.last)
         self.last = now
+
+    def delivered(self) -> None:
+        """Called once the consumer has handled a chunk: a stream has written it to the client's
+        socket, a whole response has kept it. The first chunk with tokens ends the TTFT there,
+        not where it was produced, because a stream may only start writing after the engine has
+        produced it."""
+        if self.first is None and self.last is not None:
+            self.first = time.monotonic()
+            self.metrics.ttft.labels(self.model).observe(self.first - self.start)
 
     def finish(self, reason: str | None, prompt_tokens: int, generation_tokens: int, queue_time: float | None) -> None:
         m, model = self.metrics, self.model
@@ -78,11 +96,13 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
-        self.ttft = Histogram("wafer:time_to_first_token_seconds", "Time to first token.", lbl, buckets=_LATENCY,
-                              registry=r)
+        self.ttft = Histogram("wafer:time_to_first_token_seconds",
+                              "Time from the request's arrival to its first token (written, when streamed).", lbl,
+                              buckets=_LATENCY, registry=r)
         self.itl = Histogram("wafer:inter_token_latency_seconds", "Time between successive tokens of a request.", lbl,
                              buckets=_LATENCY, registry=r)
-        self.e2e = Histogram("wafer:e2e_request_latency_seconds", "Request latency, arrival to last token.", lbl,
+        self.e2e = Histogram("wafer:e2e_request_latency_seconds",
+                             "Request latency, arrival to last token (written, when streamed).", lbl,
                              buckets=_LATENCY, registry=r)
         self.queue = Histogram("wafer:request_queue_time_seconds", "Time a request waited before it first ran.", lbl,
                                buckets=_LATENCY, registry=r)
@@ -192,7 +212,8 @@ class _SpecDecodeCollector:
 
 class StatusCounter:
     """Counts every HTTP error status the app sends (including 404s and 413s raised before any
-    handler runs)."""
+    handler runs), and notes when each request arrived: the outermost of the app's middleware,
+    before its body is read, so that a request's latencies count all the server did for it."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -202,6 +223,7 @@ class StatusCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        _ARRIVAL.set(time.monotonic())
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start" and message["status"] >= 400 and message["status"] != 499:

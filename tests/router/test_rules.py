@@ -52,3 +52,28 @@ def test_rules_are_configurable():
     assert choose({"messages": user("pretty please")}, 3, cfg).rule == "hint"
     assert choose({"messages": user("think hard")}, 30, cfg).rule == "default"
     assert choose({"messages": user("```x```")}, 30, cfg).tier == "sol"
+
+
+@pytest.mark.parametrize("text", ["first then " * 3000, "a" * 400_000, "a(" * 200_000, "\n" * 2_000_000,
+                                  ("x( " + "b " * 120) * 5000, "1. do\n" * 200_000],
+                         ids=["first-then", "one-word", "open-parens", "newlines", "calls", "steps"])
+def test_rules_cost_stays_linear_on_pathological_text(text):
+    """Python's re holds the GIL, so a pattern that backtracks over a user's text freezes every stream
+    (the old patterns took seconds on 80 KB and hours on these). Each of these takes milliseconds now;
+    the bound is two orders of magnitude above that, and far below what any quadratic pattern needs."""
+    import time
+
+    for body in ({"messages": user(text)},
+                 {"messages": [{"role": "user", "content": [{"type": "image_url", "text": text}]}]}):
+        start = time.perf_counter()
+        choose(body, 10, RoutingConfig())
+        assert time.perf_counter() - start < 2.0
+
+
+def test_sequence_words_in_order():
+    from wafer.router.rules import _in_sequence
+
+    assert _in_sequence("First open it, then read it, and finally close it")
+    assert not _in_sequence("then first, finally")  # out of order
+    assert not _in_sequence("first, finally then")
+    assert not _in_sequence("firstly thence finally")  # whole words only

@@ -170,7 +170,12 @@ class AsyncEngine:
             req = self._by_seq.get(out.seq_id)
             if req is None:
                 continue
-            self._deliver(req, out)
+            if out.error is not None:  # this request alone failed in the step
+                self.failures += 1
+                log.error("request %s failed in the engine: %s", req.tag, out.error)
+                self._deliver(req, EngineFailure(f"internal engine error ({out.error.partition(':')[0]})"))
+            else:
+                self._deliver(req, out)
             if out.finished:
                 self._by_seq.pop(out.seq_id, None)
                 self._requests.pop(req.rid, None)
@@ -202,6 +207,18 @@ def _failure(error: BaseException) -> EngineFailure:
     return EngineFailure(f"internal engine error ({type(error).__name__})")
 
 
+def _after_io() -> asyncio.Future[None]:
+    """Done two turns of the loop from now. In the first, the handlers woken by the step write its
+    tokens out (their wake-ups were queued before) and the loop reads its sockets: a client gone
+    wakes its handler, which in the second turn aborts its requests, before the next step drains
+    them. With a single turn (sleep(0)) the next step would come before that handler and compute
+    for a client that is gone."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.call_soon(loop.call_soon, lambda: done.done() or done.set_result(None))  # done: cancelled
+    return done
+
+
 async def run_engines(engines: list[AsyncEngine]) -> None:
     """Step the engines on this event loop until cancelled, one after another (two stepping at once
     would oversubscribe the cores). Between steps the loop turns, so that the handlers write out what
@@ -223,9 +240,7 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
                     busy |= e.poll()
             workers.idle()
             if busy:
-                # One turn of the loop, in which the handlers woken by the step write its tokens out
-                # (their wake-ups were queued before this task's own).
-                await asyncio.sleep(0)
+                await _after_io()
             else:
                 await wake.wait()
                 wake.clear()

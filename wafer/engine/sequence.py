@@ -31,6 +31,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k alternatives
     include_stop_str_in_output: bool = False
     grammar: str | None = None  # an llguidance grammar the output must follow
+    # That grammar already compiled (an llguidance matcher in its start state), so that the step does
+    # not compile it: each sequence gets a copy.
+    compiled: Any = None
 
     @property
     def greedy(self) -> bool:
@@ -109,3 +112,4 @@ class SequenceOutput:
     num_output_tokens: int
     num_cached_tokens: int
     queue_time: float | None = None  # seconds from arrival to first being scheduled
+    error: str | None = None  # set when this sequence failed in the step (finish_reason "error")

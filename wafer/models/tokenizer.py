@@ -139,6 +139,8 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > 4096:  # the batch call releases the GIL while it works; the single one holds it
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

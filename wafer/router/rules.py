@@ -24,13 +24,36 @@ from wafer.router.config import RoutingConfig
 
 _HIGH = {"high", "xhigh", "max", "ultra"}
 _LOW = {"none", "minimal", "low"}
+# Every pattern is linear in the text: the texts are the users' (megabytes allowed), and Python's re
+# holds the GIL, so a pattern that backtracks over them stalls every stream. Hence no unbounded
+# repetition that can restart at each position: `[ \t]*` not `\s*` after `^`, a word boundary before
+# `\w`, and a bounded argument list.
 _CODE = re.compile(
-    r"```|^\s*(def|class|import|from \S+ import|function|const|let|var|public|#include|SELECT|fn|package)\b"
-    r"|\w+\([^)]*\)\s*[{:]\s*$|;\s*$",
+    r"```|^[ \t]*(def|class|import|from \S+ import|function|const|let|var|public|#include|SELECT|fn|package)\b"
+    r"|\b\w{1,64}\([^)\n]{0,256}\)[ \t]*[{:][ \t]*$|;[ \t]*$",
     re.MULTILINE | re.IGNORECASE,
 )
-_STEP_LINE = re.compile(r"^\s*(\d+[.)]|[-*•]|step \d+)\s+\S", re.MULTILINE | re.IGNORECASE)
-_SEQUENCE = re.compile(r"\bfirst\b.*\bthen\b.*\b(finally|after that|and then|lastly)\b", re.IGNORECASE | re.DOTALL)
+_STEP_LINE = re.compile(r"^[ \t]*(\d{1,4}[.)]|[-*•]|step \d{1,4})[ \t]+\S", re.MULTILINE | re.IGNORECASE)
+_FIRST = re.compile(r"\bfirst\b", re.IGNORECASE)
+_THEN = re.compile(r"\bthen\b", re.IGNORECASE)
+_LAST = re.compile(r"\b(finally|after that|and then|lastly)\b", re.IGNORECASE)
+
+
+_SAMPLE = 32 * 1024
+
+
+def _sample(text: str) -> str:
+    """What the pattern rules read of a long text: its start and its end, which is where steps and
+    code show; cost stays bounded whatever the size of the body."""
+    return text if len(text) <= 2 * _SAMPLE else text[:_SAMPLE] + "\n" + text[-_SAMPLE:]
+
+
+def _in_sequence(text: str) -> bool:
+    """"first ... then ... finally" in that order: each word searched once from where the one
+    before it was found (the earliest match leaves the most room for the next)."""
+    first = _FIRST.search(text)
+    then = _THEN.search(text, first.end()) if first else None
+    return bool(then and _LAST.search(text, then.end()))
 
 
 @dataclass
@@ -67,12 +90,12 @@ def choose(body: dict[str, Any], prompt_tokens: int, cfg: RoutingConfig) -> Rout
         return to("hint")
     if prompt_tokens >= cfg.long_prompt_tokens:
         return to("long_prompt")
-    if len(_STEP_LINE.findall(text)) >= cfg.multi_step_min_steps or _SEQUENCE.search(text):
+    if len(_STEP_LINE.findall(_sample(text))) >= cfg.multi_step_min_steps or _in_sequence(_sample(text)):
         return to("multi_step")
     if body.get("tools"):
         return to("tools")
     everything = "\n".join(str(m.get("content") or "") for m in messages) if messages else text
-    if _CODE.search(everything):
+    if _CODE.search(_sample(everything)):
         return to("code")
     if prompt_tokens < cfg.short_prompt_tokens:
         return to("short_prompt")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 import re
 import secrets
 from importlib.resources import files
@@ -22,8 +24,9 @@ from wafer.router.upstream import UpstreamUnavailable, forward
 from wafer.server.chat import ChatHandler
 from wafer.server.completions import CompletionHandler
 from wafer.server.errors import APIError, CatchAll
-from wafer.server.generation import ServedModel
+from wafer.server.generation import OFF_LOOP_BYTES, ServedModel, off_loop
 from wafer.server.metrics import ServerMetrics, StatusCounter
+from wafer.server.loop_monitor import LoopMonitor
 from wafer.server.openapi import install_openapi
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
@@ -154,7 +157,17 @@ def create_app(
         served.metrics = metrics
         metrics.add_model(served.names[0], served.engine)
         local[served.names[0]] = (served, ChatHandler(served), CompletionHandler(served))
-    app = FastAPI(title="wafer", docs_url=None, redoc_url=None)
+    # One per registry: apps made again over the same models (in tests) share their metrics.
+    monitor = getattr(metrics, "loop_monitor", None) or LoopMonitor(metrics.registry)
+    metrics.loop_monitor = monitor  # type: ignore[attr-defined]
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        monitor.start()
+        yield
+        await monitor.stop()
+
+    app = FastAPI(title="wafer", docs_url=None, redoc_url=None, lifespan=lifespan)
     static = files("wafer.server") / "static"
     keys = list(api_keys or [])
     app.state.served = served_list
@@ -217,8 +230,9 @@ def create_app(
     async def dispatch(kind: str, request: Request) -> Response:
         body = await read_json(request)
         req = parse_body(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
+        heavy = len(await request.body()) > OFF_LOOP_BYTES  # the rules may tokenize the whole text
         try:
-            decision = router.resolve(req.model, body)
+            decision = await off_loop(heavy, router.resolve, req.model, body)
         except UnknownModel:
             raise not_found(req.model) from None
         metrics.routes.labels(decision.rule, decision.tier or "-").inc()

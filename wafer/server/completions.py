@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.server.errors import bad_request
-from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, sse, text_event
+from wafer.server.generation import OFF_LOOP_BYTES, TEXT_HOLE, GenerationHandler, _Choice, off_loop, sse, text_event
 from wafer.server.protocol import CompletionRequest
 from wafer.server.streaming import EventStreamResponse
 
@@ -37,7 +37,7 @@ class CompletionHandler(GenerationHandler):
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
-        prompts = self._prompts(req.prompt)
+        prompts = await off_loop(len(await request.body()) > OFF_LOOP_BYTES, self._prompts, req.prompt)
         tok = self.m.tokenizer
         jobs = []
         echoes = []
@@ -53,7 +53,8 @@ class CompletionHandler(GenerationHandler):
         streams = self._submit(jobs, rid, "prompt" if len(jobs) > (req.n or 1) else "n")
         if req.stream:
             return EventStreamResponse(self._completion_stream(streams, head, n_prompt, req.include_usage,
-                                                                  req.logprobs is not None, echoes))
+                                                                  req.logprobs is not None, echoes),
+                                       on_disconnect=self._aborter(streams))
         choices = await self._collect(streams, request, rid, n_prompt)
         if choices is None:
             return JSONResponse({}, status_code=499)

@@ -39,6 +39,16 @@ _PING = object()  # put in a request's queue when ping_interval passes without a
 TEXT_HOLE = "\x00wafer-text\x00"  # stands for a chunk's text in a pre-rendered event
 
 
+# A request body larger than this has its preparation (routing, template, tokenizing, grammar) done
+# in a worker thread: that work grows with the input, and on the loop it would hold every stream.
+OFF_LOOP_BYTES = 16 * 1024
+
+
+async def off_loop(heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, in a worker thread when `heavy`; small requests skip the thread hop."""
+    return await asyncio.to_thread(fn, *args) if heavy else fn(*args)
+
+
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -214,6 +224,16 @@ class GenerationHandler:
             for r in streams:
                 engine.abort(r)  # a no-op for finished ones
 
+    def _aborter(self, streams: list[EngineRequest]) -> Callable[[], None]:
+        """Abort every choice of a request (those finished already are left alone)."""
+        engine = self.m.engine
+
+        def abort() -> None:
+            for r in streams:
+                engine.abort(r)
+
+        return abort
+
     async def _collect(self, streams: list[EngineRequest], request: Request, rid: str,
                        n_prompt: int) -> list[_Choice] | None:
         """Run all choices to the end; None if the client went away (its sequences are aborted)."""
@@ -224,8 +244,10 @@ class GenerationHandler:
                 self._fold(choices[i], out, rid)
 
         async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.1)
+            # The body was read: what receive() gives now is the disconnect, the moment it is known.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self._aborter(streams)()
 
         work = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(watch())

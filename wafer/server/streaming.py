@@ -11,7 +11,7 @@ each chunk goes to `send` with nothing in between.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -20,8 +20,12 @@ from starlette.types import Receive, Scope, Send
 class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[str], headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, body: AsyncIterator[str], headers: Mapping[str, str] | None = None,
+                 on_disconnect: Callable[[], None] | None = None) -> None:
         self.body_iterator = body
+        # Called the moment the client is known to be gone, before the writer is cancelled: that takes
+        # a few more turns of the loop, each of which may be an engine step for nobody.
+        self.on_disconnect = on_disconnect
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
@@ -32,10 +36,11 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    @staticmethod
-    async def _until_disconnect(receive: Receive) -> None:
+    async def _until_disconnect(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        if self.on_disconnect is not None:
+            self.on_disconnect()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = asyncio.ensure_future(self._write(send))

@@ -1,6 +1,15 @@
 // Polls /dashboard/data once a second and draws line charts on canvases; no libraries.
 "use strict";
 const HISTORY = 300;
+// Each chart's unit (its axis is labelled in it) and what it says while it has nothing to show.
+const CHARTS = {
+  tps: { unit: "tok/s", empty: "no tokens generated yet" },
+  ttft: { unit: "s", empty: "no requests finished in the last 60 s" },
+  e2e: { unit: "s", empty: "no requests finished in the last 60 s" },
+  rw: { unit: "count", empty: "no requests running or waiting" },
+  kv: { unit: "%", empty: "KV cache empty" },
+  err: { unit: "count", empty: "no errors" },
+};
 const series = { tps: [[]], ttft: [[], []], e2e: [[], []], rw: [[], []], kv: [[]], err: [[]] };
 const COLORS = ["#4fc3f7", "#ffb74d"];
 let prev = null;
@@ -13,7 +22,29 @@ function push(name, values) {
   });
 }
 
+// A round step (1, 2 or 5 times a power of ten) that splits [0, max] into at most four parts;
+// counts never get a step under one.
+function niceStep(max, unit) {
+  const raw = max / 4;
+  const p = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * p).find((s) => s >= raw);
+  return unit === "count" ? Math.max(1, Math.ceil(step)) : step;
+}
+
+// A tick's label in the series' unit, with as many decimals as the step needs and no more.
+function tickLabel(v, step, unit, top) {
+  const decimals = (s) => Math.max(0, -Math.floor(Math.log10(s) + 1e-9));
+  if (unit === "s") {
+    if (top < 1) return (v * 1000).toFixed(decimals(step * 1000)) + " ms";
+    return v.toFixed(decimals(step)) + " s";
+  }
+  if (unit === "count") return String(Math.round(v));
+  const text = v.toFixed(decimals(step));
+  return unit === "%" ? text + "%" : text + " " + unit;
+}
+
 function draw(name) {
+  const { unit, empty } = CHARTS[name];
   const canvas = document.getElementById("c_" + name);
   const dpr = window.devicePixelRatio || 1;
   const w = canvas.clientWidth, h = canvas.clientHeight;
@@ -21,29 +52,43 @@ function draw(name) {
   const ctx = canvas.getContext("2d");
   ctx.scale(dpr, dpr);
   ctx.clearRect(0, 0, w, h);
-  const all = series[name].flat().filter((v) => !Number.isNaN(v));
-  const floor = name === "err" || name === "rw" ? 1 : 1e-9;  // counts: at least a scale of one
-  const max = Math.max(floor, ...all) * 1.1;
-  ctx.strokeStyle = "#2a2f3a"; ctx.fillStyle = "#9aa0a6"; ctx.font = "11px sans-serif";
-  for (let i = 0; i <= 4; i++) {
-    const y = h - 14 - (h - 24) * i / 4;
-    ctx.beginPath(); ctx.moveTo(40, y); ctx.lineTo(w, y); ctx.stroke();
-    ctx.fillText((max * i / 4).toPrecision(3), 2, y + 4);
+  ctx.font = "11px sans-serif";
+  const all = series[name].flat().filter((v) => Number.isFinite(v));
+  const peak = Math.max(0, ...all);
+  if (peak <= 0) {  // nothing yet, or only zeros: a scale for them would be made up
+    ctx.fillStyle = "#6b7280"; ctx.textAlign = "center"; ctx.textBaseline = "middle";
+    ctx.fillText(empty, w / 2, h / 2);
+    return;
+  }
+  const step = niceStep(peak, unit);
+  const top = step * Math.max(1, Math.ceil(peak / step - 1e-9));
+  const left = 56;
+  ctx.strokeStyle = "#2a2f3a"; ctx.fillStyle = "#9aa0a6"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
+  for (let v = 0; v <= top + step / 2; v += step) {
+    const y = h - 14 - (h - 24) * v / top;
+    ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(w, y); ctx.stroke();
+    ctx.fillText(tickLabel(v, step, unit, top), left - 6, y);
   }
   series[name].forEach((s, k) => {
     ctx.strokeStyle = COLORS[k]; ctx.lineWidth = 1.5; ctx.beginPath();
     let started = false;
     s.forEach((v, i) => {
-      if (Number.isNaN(v)) { started = false; return; }
-      const x = 40 + (w - 40) * i / (HISTORY - 1);
-      const y = h - 14 - (h - 24) * v / max;
+      if (!Number.isFinite(v)) { started = false; return; }
+      const x = left + (w - left) * i / (HISTORY - 1);
+      const y = h - 14 - (h - 24) * v / top;
       if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
     });
     ctx.stroke();
   });
 }
 
-function fmt(v) { return v === null || v === undefined ? "–" : v.toFixed(3); }
+// A duration for the tiles: milliseconds below a second, seconds above.
+function duration(v) {
+  if (v === null || v === undefined) return "–";
+  if (v < 0.01) return (v * 1000).toFixed(1) + " ms";
+  if (v < 1) return (v * 1000).toFixed(0) + " ms";
+  return v.toFixed(2) + " s";
+}
 
 async function tick() {
   try {
@@ -58,8 +103,8 @@ async function tick() {
     const errors = Object.values(d.errors).reduce((a, b) => a + b, 0);
     document.getElementById("model").textContent = d.model;
     document.getElementById("tps").textContent = tps.toFixed(1);
-    document.getElementById("ttft").textContent = fmt(d.ttft_p50) + " / " + fmt(d.ttft_p95);
-    document.getElementById("e2e").textContent = fmt(d.e2e_p50) + " / " + fmt(d.e2e_p95);
+    document.getElementById("ttft").textContent = duration(d.ttft_p50) + " / " + duration(d.ttft_p95);
+    document.getElementById("e2e").textContent = duration(d.e2e_p50) + " / " + duration(d.e2e_p95);
     document.getElementById("rw").textContent = d.running + " / " + d.waiting;
     document.getElementById("kv").textContent = (100 * d.kv_cache_usage).toFixed(1) + "%";
     document.getElementById("req").textContent = d.requests_total;

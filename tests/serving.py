@@ -30,8 +30,13 @@ class RunningServer:
         return self.served.engine.engine
 
     def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine has nothing running or waiting; raises if it still has after `timeout`."""
         deadline = time.monotonic() + timeout
-        while not self.served.engine.idle and time.monotonic() < deadline:
+        while not self.served.engine.idle:
+            if time.monotonic() >= deadline:
+                e = self.served.engine
+                raise TimeoutError(f"engine not idle after {timeout:g} s: {e.num_running} running, "
+                                   f"{e.num_waiting} waiting")
             time.sleep(0.02)
 
     def stop(self) -> None:
@@ -65,11 +70,16 @@ def serve_app(app, served: ServedModel, *others: ServedModel) -> RunningServer:
 
 
 def wait_healthy(base: str, timeout: float) -> None:
-    """Until GET /health answers 200 (or the timeout passes)."""
+    """Until GET /health answers 200; raises if it has not after `timeout`."""
     deadline = time.monotonic() + timeout
+    last = "no answer"
     while time.monotonic() < deadline:
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
+            r = httpx.get(base + "/health", timeout=1)
+            if r.status_code == 200:
                 return
-        except httpx.HTTPError:
-            time.sleep(0.1)
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(0.1)
+    raise TimeoutError(f"{base}/health not 200 after {timeout:g} s; last: {last}")

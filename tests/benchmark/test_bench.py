@@ -101,6 +101,12 @@ def test_arithmetic_on_known_trace(fake_url, tmp_path):
     }
     for key, (lo, hi) in checks.items():
         assert lo <= cell[key]["p50"] <= hi, (key, lo, cell[key]["p50"], hi)
+    # ITL against an independent measure, free of timing noise: every completed request streamed
+    # CHUNKS tokens, so its gaps are CHUNKS - 1 and add up to its E2E - TTFT; pooled, the mean gap is
+    # the mean decode time over CHUNKS - 1. Counting the pings (or the role chunk) as tokens would
+    # make more, shorter gaps over the same decode time.
+    decode = cell["e2e_s"]["mean"] - cell["ttft_s"]["mean"]
+    assert cell["itl_s"]["mean"] == pytest.approx(decode / (CHUNKS - 1), rel=1e-9), (cell["itl_s"], decode)
     assert cell["token_count_fallbacks"] == 1  # request 3 had no usage
     assert cell["token_count_mismatches"] == 1  # request 5's usage said one token more than the text has
     assert cell["goodput"] > 0 and cell["goodput"] <= cell["request_throughput"]

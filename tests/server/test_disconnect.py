@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -51,12 +53,27 @@ def test_twenty_streaming_clients_drop(server):
 
 
 def test_non_streaming_client_drops(server):
-    try:
-        httpx.post(server.base_url + "/v1/chat/completions", json=LONG, timeout=1.5)
-    except httpx.TimeoutException:
-        pass
+    """The request runs (its sequence generates and holds KV), the client goes away, and the sequence
+    is aborted long before its 1500 tokens and its KV comes back."""
     engine = server.engine
-    assert wait_for(lambda: engine.num_running == 0 and server.served.engine.idle, 10)
-    assert engine.kv.num_used == 0
+    before = set(engine.seqs)
+    body = json.dumps(LONG).encode()
+    sock = socket.create_connection(("127.0.0.1", int(server.base_url.rsplit(":", 1)[1])), timeout=60)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    def ours():  # the request's sequence once it is in the engine (read from the server's thread)
+        return next((s for i, s in list(engine.seqs.items()) if i not in before), None)
+
+    try:
+        assert wait_for(lambda: (s := ours()) is not None and len(s.output_ids) >= 8, 60), "it never generated"
+        seq = ours()
+        assert engine.kv.num_used > 0  # its KV is held while it runs
+    finally:
+        sock.close()  # the client goes away without reading an answer
+    assert wait_for(lambda: seq.finished and server.served.engine.idle, 10)
+    assert seq.finish_reason == "abort" and len(seq.output_ids) < LONG["max_tokens"], (seq.finish_reason,
+                                                                                         len(seq.output_ids))
+    assert seq.seq_id not in engine.seqs and engine.kv.num_used == 0
     ok = httpx.post(server.base_url + "/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200

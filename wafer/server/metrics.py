@@ -212,8 +212,8 @@ class _SpecDecodeCollector:
 
 class StatusCounter:
     """Counts every HTTP error status the app sends (including 404s and 413s raised before any
-    handler runs), and notes when each request arrived: the outermost of the app's middleware,
-    before its body is read, so that a request's latencies count all the server did for it."""
+    handler runs), and notes when each request arrived: create_app adds it last, so that it runs
+    first, before the body is read, and a request's latencies count all the server did for it."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app

@@ -87,7 +87,8 @@ class _Sampling(_Body):
     top_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(strict=True, ge=1, le=128)] = 1
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: Int | None = None
+    # A torch generator takes 64 bits (as vLLM bounds it); n choices seed with seed + their index.
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)] | None = None
     presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = None

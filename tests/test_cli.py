@@ -32,11 +32,12 @@ def test_generate_streams_greedy_text():
 
 def test_chat_is_multi_turn():
     args = ("chat", "--temperature", "0", "--max-tokens", "40")
-    r = run(*args, stdin="Hi, I am Alice.\nWhat did I say my name was?\n/exit\n")
+    r = run(*args, stdin="I have a dog called Biscuit.\nWhat is my dog called?\n/exit\n")
     assert r.returncode == 0, r.stderr
     replies = r.stdout.split(">>> ")
     assert len(replies) == 4  # two answers, then the prompt that read /exit
-    assert "Alice" in replies[1]
-    # The second answer depends on the first turn: asked alone, the same question gets another reply.
-    alone = run(*args, stdin="What did I say my name was?\n").stdout.split(">>> ")[1]
-    assert replies[2] != alone
+    # The second answer recalls the name given only in the first turn (at temperature 0 the default
+    # q4 path and f32 both do; asked alone, the question gets no such name).
+    assert "Biscuit" in replies[2], replies
+    alone = run(*args, stdin="What is my dog called?\n").stdout.split(">>> ")[1]
+    assert "Biscuit" not in alone, alone

@@ -33,15 +33,28 @@ def prompts(smollm):
     ]
 
 
-def test_batch_of_eight_equals_each_alone(engine, prompts):
+def test_batch_of_eight_equals_each_alone(smollm, prompts):
+    """Batched prefill of fresh prompts, not one-token prefills after a prefix-cache hit: each run on
+    an engine of its own with the prefix cache off, and every prompt token computed in the batch."""
     assert len({len(p) for p in prompts}) == 8
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    alone = [engine.generate([p], params)[0].output_ids for p in prompts]
-    steps_before = engine.stats.batched_steps
-    together = [s.output_ids for s in engine.generate(prompts, params)]
+
+    def fresh() -> LLMEngine:
+        return LLMEngine(smollm, EngineConfig(max_running=8, max_model_len=1024, max_batched_tokens=512,
+                                              prefix_caching=False))
+
+    assert sum(len(p) for p in prompts) <= 512
+    batch = fresh()
+    seqs = [batch.add(p, params) for p in prompts]
+    assert len(batch.step()) == 8  # one step prefilled all eight whole and sampled each one's first token
+    assert batch.stats.prompt_tokens == sum(len(p) for p in prompts)
+    while not all(s.finished for s in seqs):
+        batch.step()
+    together = [s.output_ids for s in seqs]
+    assert batch.kv.num_used == 0
+    solo = fresh()
+    alone = [solo.generate([p], params)[0].output_ids for p in prompts]
     assert together == alone
-    assert engine.stats.batched_steps > steps_before
-    assert engine.kv.num_used == 0
 
 
 def test_chunked_prefill_matches_whole_prefill(smollm, prompts):

@@ -67,7 +67,8 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
         if m.get("role") == "user":
             content = m.get("content")
             if isinstance(content, list):
-                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                # Text parts only: other parts' keys are not validated, so their "text" may be anything.
+                return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
             return content or ""
     return ""
 

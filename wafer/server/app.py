@@ -105,9 +105,10 @@ def prompt_counter(served: ServedModel):  # type: ignore[no-untyped-def]
 
     def count(body: dict[str, Any]) -> int:
         if body.get("messages"):
-            text = "\n".join(p.get("text", "") if isinstance(p, dict) else str(p)
-                             for m in body["messages"] if isinstance(m, dict)
-                             for p in (m.get("content") if isinstance(m.get("content"), list) else [m.get("content") or ""]))
+            # Text parts only: other parts' keys are not validated, so anything may stand in their "text".
+            text = "\n".join(t for m in body["messages"] if isinstance(m, dict)
+                             for p in (m.get("content") if isinstance(m.get("content"), list) else [m.get("content")])
+                             if isinstance(t := p.get("text") if isinstance(p, dict) else p, str))
         else:
             text = str(body.get("prompt", ""))
         return len(served.tokenizer.encode(text, add_special_tokens=False))
@@ -115,7 +116,9 @@ def prompt_counter(served: ServedModel):  # type: ignore[no-untyped-def]
     return count
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate can reach JSON text
+# How a lone surrogate can reach JSON text: as an escape, or as the UTF-8 bytes of one (ED A0..BF),
+# which json.loads decodes with 'surrogatepass'.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def _valid_unicode(value: Any) -> bool:
@@ -211,7 +214,7 @@ def create_app(
             reason = getattr(e, "msg", None) or ("nested too deeply" if isinstance(e, RecursionError) else str(e))
             raise APIError(400, f"We could not parse the JSON body of your request ({reason}).",
                            "invalid_request_error", None, "invalid_json") from None
-        if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(body):
+        if _SURROGATE.search(raw) and not _valid_unicode(body):
             raise APIError(400, "We could not parse the JSON body of your request (a string holds a lone UTF-16 "
                            "surrogate, which is not a character).", "invalid_request_error", None, "invalid_json")
         return body

@@ -6,6 +6,8 @@ Single-threaded by design: the server runs it in one thread of its own and talks
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +17,7 @@ from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import ScheduledSeq, Scheduler
-from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput, Status
+from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput, Status, TokenLogprob
 from wafer.engine.speculative import (
     DraftModelProposer,
     NgramProposer,
@@ -27,6 +29,8 @@ from wafer.engine.speculative import (
 from wafer.models.loader import LoadedModel
 from wafer.models.tokenizer import IncrementalDetokenizer
 
+log = logging.getLogger("wafer.engine")
+
 
 @dataclass
 class EngineConfig:
@@ -34,6 +38,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
+    # Seconds of prompt work a step may add while other sequences decode (None: no limit). The
+    # server sets it so that one request's long prompt delays the others' tokens by a bounded time.
+    prefill_step_seconds: float | None = None
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
@@ -67,6 +74,7 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.constraints = Constraints(self.tokenizer)
         self.proposer = self._make_proposer(draft)
+        self._seconds_per_token: float | None = None  # of a prompt token in a step (see _time_prefill)
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
         spec = self.config.speculative
@@ -89,7 +97,9 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len}")
         seq = Sequence(list(prompt_ids), params)
-        if params.grammar is not None:
+        if params.compiled is not None:
+            seq.matcher = params.compiled.deep_copy()
+        elif params.grammar is not None:
             seq.matcher = self.constraints.matcher(params.grammar)  # GrammarError is a ValueError
         if arrival_time is not None:
             seq.arrival_time = arrival_time
@@ -125,12 +135,26 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
-        scheduled = self.scheduler.schedule()
+        """One forward pass over the scheduled sequences and a token (or several) for each. A failure
+        that belongs to one sequence (its sampling parameters, its grammar, its forward rows) ends
+        that sequence alone, with finish_reason "error"; the others go on."""
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule(self._prefill_cap())
         if not scheduled:
             return []
         if self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
-            self._attach_drafts(scheduled)
-        logits = self.runner.run(scheduled)
+            try:
+                self._attach_drafts(scheduled)
+            except Exception:  # speculation is an optimisation: this step goes without it
+                log.exception("proposing drafts failed; this step decodes without them")
+                for item in scheduled:
+                    if item.draft:
+                        item.count -= len(item.draft)
+                        item.rows, item.draft, item.draft_probs = 1, [], None
+        failed: list[SequenceOutput] = []
+        scheduled, logits = self._forward(scheduled, failed)
+        if not scheduled:
+            return failed
         self.stats.steps += 1
         self.stats.last_batch_size = len(scheduled)
         if len(scheduled) > 1:
@@ -152,18 +176,93 @@ class LLMEngine:
             self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
             if item.start < seq.num_prompt:
                 self.stats.prompt_tokens += min(item.count, seq.num_prompt - item.start)
-        outputs = []
+        self._time_prefill(scheduled, time.perf_counter() - started)
+        outputs = failed
         if plain:
             rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
             for i, seq in enumerate(plain):
                 if seq.matcher is not None:
-                    mask_logits(rows[i], seq.matcher)
-            tokens, lps = self.sampler(rows, plain)
-            for seq, token, lp in zip(plain, tokens, lps):
-                outputs.append(self._append(seq, token, lp))
+                    self._guard(seq, outputs, mask_logits, rows[i], seq.matcher)
+            for seq, token, lp in self._sample(rows, plain, outputs):
+                self._guard(seq, outputs, lambda s, t, l: outputs.append(self._append(s, t, l)), seq, token, lp)
         for item, row in verifying:
-            outputs.append(self._verify(item, logits[row : row + item.rows]))
+            self._guard(item.seq, outputs, lambda i, r: outputs.append(self._verify(i, r)), item,
+                        logits[row : row + item.rows])
         return outputs
+
+    # --- how much prompt a step may take ----------------------------------------------------------
+    _MIN_CHUNK = 16  # a prompt always advances by at least this much a step
+
+    def _prefill_cap(self) -> int | None:
+        if self.config.prefill_step_seconds is None or self._seconds_per_token is None:
+            return None
+        return max(self._MIN_CHUNK, int(self.config.prefill_step_seconds / self._seconds_per_token))
+
+    def _time_prefill(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+        """Learn the cost of a token from steps that were mostly prompt (an upper bound: the step's
+        fixed cost counts in), as a moving average that follows the machine's load."""
+        tokens = sum(item.count for item in scheduled)
+        if tokens >= 4 * self._MIN_CHUNK:
+            per_token = seconds / tokens
+            old = self._seconds_per_token
+            self._seconds_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
+
+    # --- failures of one sequence -----------------------------------------------------------------
+    def _forward(self, scheduled: list[ScheduledSeq], failed: list[SequenceOutput]
+                 ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """The model's logits for the scheduled sequences. Should the batch fail, each sequence is
+        run alone (writing its KV again, to the same places) and those that fail alone are failed."""
+        try:
+            return scheduled, self.runner.run(scheduled)
+        except Exception as e:
+            if len(scheduled) == 1:
+                self._fail(scheduled[0].seq, e, failed)
+                return [], torch.empty(0)
+            log.exception("a batched step of %d sequences failed; running them one by one", len(scheduled))
+        kept, parts = [], []
+        for item in scheduled:
+            try:
+                parts.append(self.runner.run([item]))
+                kept.append(item)
+            except Exception as e:
+                self._fail(item.seq, e, failed)
+        return kept, (torch.cat(parts) if parts else torch.empty(0))
+
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence], failed: list[SequenceOutput]
+                ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """A token for each live row, in one batched call; row by row if that call fails."""
+        live = [i for i, seq in enumerate(seqs) if not seq.finished]
+        if len(live) == len(seqs):
+            try:
+                tokens, lps = self.sampler(rows, seqs)
+                return list(zip(seqs, tokens, lps))
+            except Exception:
+                log.exception("batched sampling failed; sampling row by row")
+        out = []
+        for i in live:
+            try:
+                tokens, lps = self.sampler(rows[i : i + 1], [seqs[i]])
+                out.append((seqs[i], tokens[0], lps[0]))
+            except Exception as e:
+                self._fail(seqs[i], e, failed)
+        return out
+
+    def _guard(self, seq: Sequence, failed: list[SequenceOutput], fn, *args) -> None:  # type: ignore[no-untyped-def]
+        if seq.finished:
+            return
+        try:
+            fn(*args)
+        except Exception as e:
+            self._fail(seq, e, failed)
+
+    def _fail(self, seq: Sequence, error: Exception, failed: list[SequenceOutput]) -> None:
+        log.error("sequence %d failed in the step and ends alone: %r", seq.seq_id, error, exc_info=error)
+        if not seq.finished:
+            seq.finish_reason = "error"
+            self._release(seq)
+        failed.append(SequenceOutput(seq.seq_id, [], "", True, "error", [], seq.num_prompt,
+                                     len(seq.tokens) - seq.num_prompt, seq.num_cached_prompt,
+                                     error=f"{type(error).__name__}: {error}"))
 
     # --- speculative decoding -------------------------------------------------------------------
     def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:

@@ -53,8 +53,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSeq]:
-        """Decoders first (one token each), then prefill chunks while the budget lasts."""
+    def schedule(self, prefill_cap: int | None = None) -> list[ScheduledSeq]:
+        """Decoders first (one token each), then prefill chunks while the budget lasts. With
+        `prefill_cap`, prompts get at most that many tokens in a step that also decodes: the step's
+        length is how long every decoder waits for its next token."""
         out: list[ScheduledSeq] = []
         budget = self.max_batched_tokens
         prefilling: list[Sequence] = []
@@ -65,6 +67,8 @@ class Scheduler:
                 budget -= 1
             else:
                 prefilling.append(seq)
+        if out and prefill_cap is not None:
+            budget = min(budget, prefill_cap)
         for seq in prefilling:
             if budget <= 0:
                 break

@@ -32,16 +32,26 @@ from wafer.server.generation import ServedModel
 log = logging.getLogger("wafer.server")
 
 
+# A step that decodes for others takes at most about this long of one prompt's work: the streams wait
+# that long for their next token while a long prompt is read in.
+PREFILL_STEP_SECONDS = 0.05
+
+
 def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_waiting: int,
                  max_model_len: int | None, max_batched_tokens: int = 256,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
-                 prefix_caching: bool = True, sampling: dict[str, float] | None = None) -> ServedModel:
+                 prefix_caching: bool = True, sampling: dict[str, float] | None = None,
+                 prefill_step_seconds: float | None = PREFILL_STEP_SECONDS) -> ServedModel:
     """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
     over the model's own."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
-                                            speculative=speculative or SpeculativeConfig()), draft=draft)
+                                            speculative=speculative or SpeculativeConfig(),
+                                            prefill_step_seconds=prefill_step_seconds), draft=draft)
     engine.warmup()
+    # The grammar engine's view of the vocabulary: half a second to build, holding the GIL, so built
+    # now rather than under the first request with a schema (which would stall every stream).
+    engine.constraints.llt
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     digest = hashlib.sha256(f"{loaded.name}:{loaded.config.quantization}:{__version__}".encode()).hexdigest()
     return ServedModel(

@@ -132,7 +132,9 @@ def test_json_object_mode(client):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
-def test_named_tool_choice_and_parallel_calls(client):
+def test_named_tool_choice_makes_exactly_that_one_call(client):
+    """A named function forces one call of it, parallel calls or not (tests of several calls are in
+    test_tool_calls_held_out.py)."""
     tools = [tool(0), tool(1)]
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
                                        tools=tools, tool_choice={"type": "function", "function": {"name": "tool_1"}},

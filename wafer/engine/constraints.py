@@ -1,12 +1,34 @@
 """Grammar-constrained decoding with llguidance: a sequence whose parameters carry a grammar only
-ever samples tokens the grammar allows, so tool arguments and JSON parse by construction."""
+ever samples tokens the grammar allows, so tool arguments and JSON parse by construction.
+
+A grammar alone cannot stop a reply at `max_tokens` in the middle of a JSON value. So the matcher
+also keeps the shortest way to finish the grammar from where the output stands (found by asking
+llguidance which bytes it allows, cheapest first), and when the tokens left come close to that
+completion's length it narrows the mask: first to tokens that cannot lengthen it (more characters of
+the same string value, more digits of the same number), then to the completion itself.
+"""
 
 from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from wafer.models.tokenizer import TextTokenizer
+
+# The tagged call format of tools.py; a JSON value that starts right after it is one to close.
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+# Tokens of slack kept between the tokens left and the completion's length. One sampled token can
+# lengthen the completion (a new key opened, a nested object begun) by more than one token; inside
+# this window such tokens are no longer offered, so the completion always still fits.
+WINDOW = 12
+# Beyond this many tokens left nothing is computed: a completion longer than that is not looked for.
+HORIZON = 1024
+_MAX_COMPLETION_BYTES = 2048
+_PRINTABLE = [chr(c) for c in range(0x30, 0x7F)] + [chr(c) for c in range(0x20, 0x30)]
 
 
 class GrammarError(ValueError):
@@ -19,12 +41,15 @@ class Constraints:
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
         self._llt: LLTokenizer | None = None
+        self._safe: dict[str, torch.Tensor] | None = None
+        self._char_tokens: dict[str, int] | None = None
 
     @property
     def llt(self) -> LLTokenizer:
         if self._llt is None:  # about a second to build: only when a grammar is first used
             self._llt = LLTokenizer(self.tokenizer.tokenizer.to_str(), n_vocab=self.tokenizer.vocab_size,
                                     eos_token=self.tokenizer.eos_ids)
+            self._safe = _safe_tokens(self._llt)  # with it, so that building the vocabulary early builds both
         return self._llt
 
     def check(self, grammar: str) -> None:
@@ -32,17 +57,247 @@ class Constraints:
         if error and not error.startswith("WARNING"):
             raise GrammarError(error)
 
-    def matcher(self, grammar: str) -> LLMatcher:
+    def matcher(self, grammar: str) -> GrammarMatcher:
         m = LLMatcher(self.llt, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(m.get_error())
-        return m
+        return GrammarMatcher(m, self)
+
+    def is_special(self, text: str) -> bool:
+        """Whether text is one special token of this tokenizer (as Qwen2.5's `<tool_call>`)."""
+        ids = self.llt.tokenize_str(text)
+        return len(ids) == 1 and self.llt.is_special_token(ids[0])
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.llt.decode_bytes([token])
+
+    def char_tokens(self) -> dict[str, int]:
+        """The single token of each printable ASCII character (byte-level vocabularies have them all)."""
+        if self._char_tokens is None:
+            found = {}
+            for ch in _PRINTABLE:
+                ids = self.llt.tokenize_str(ch)
+                if len(ids) == 1:
+                    found[ch] = ids[0]
+            self._char_tokens = found
+        return self._char_tokens
+
+    def safe(self, kind: str) -> torch.Tensor:
+        """Tokens that keep a value's completion as it is: for "string", any text without a quote,
+        backslash or control byte; for "number", digits only."""
+        if self._safe is None:
+            self._safe = _safe_tokens(self.llt)
+        return self._safe[kind]
 
 
-def mask_logits(logits: torch.Tensor, matcher: LLMatcher) -> None:
-    """Set every token the grammar forbids next to -inf, in place (one row)."""
+def _safe_tokens(llt: LLTokenizer) -> dict[str, torch.Tensor]:
+    string = torch.zeros(llt.vocab_size, dtype=torch.bool)
+    number = torch.zeros(llt.vocab_size, dtype=torch.bool)
+    for t in range(llt.vocab_size):
+        if llt.is_special_token(t):
+            continue
+        b = llt.decode_bytes([t])
+        if b and b'"' not in b and b"\\" not in b and min(b) >= 0x20:
+            string[t] = True
+            number[t] = b.isdigit()
+    return {"string": string, "number": number}
+
+
+@dataclass
+class JsonScan:
+    """Where the output stands in the JSON it writes, byte by byte: enough to tell a string value or
+    a number being written (whose completion more of the same does not change) from the rest.
+
+    JSON starts at the output's first non-blank byte if that is `{` or `[` (a bare call, a
+    `response_format` reply), after a ```json fence that opens the output, or at the first `{`
+    after each CALL_OPEN."""
+
+    in_json: bool = False
+    may_open: bool = True  # a `{` here starts JSON
+    tail: bytes = b""  # the last bytes outside JSON, to spot CALL_OPEN
+    stack: list[int] = field(default_factory=list)
+    expect: str = "value"  # key | colon | value | after
+    in_string: str = ""  # "" | "key" | "value"
+    escaped: bool = False
+    in_number: bool = False
+    in_literal: bool = False
+
+    def feed(self, data: bytes) -> bool:
+        """Take the bytes of one token; False if they only extended a string value or a number."""
+        changed = False
+        for b in data:
+            changed |= self._byte(b)
+        return changed
+
+    def kind(self) -> str | None:
+        if self.in_json and self.in_string == "value" and not self.escaped:
+            return "string"
+        if self.in_json and self.in_number:
+            return "number"
+        return None
+
+    def priority(self) -> str:
+        """Characters to try first when completing from here, cheapest first."""
+        if not self.in_json:
+            return "{<["
+        if self.in_string:
+            return '"'
+        if self.in_number:
+            return "}],0"
+        if self.expect == "key":
+            return '}"'
+        if self.expect == "colon":
+            return ":"
+        if self.expect == "after":
+            return "}],"
+        return '0"nft[{-'
+
+    def _byte(self, b: int) -> bool:
+        if not self.in_json:
+            if b in b" \n\r\t":
+                return True
+            if b in b"{[" and self.may_open:
+                self.in_json, self.stack, self.expect = True, [b], ("key" if b == ord("{") else "value")
+                return True
+            self.tail = (self.tail + bytes([b]))[-len(CALL_OPEN):]
+            # After the tag, or after a ```json fence that opens the reply.
+            self.may_open = self.tail == CALL_OPEN.encode() or self.tail in (b"```", b"```json")
+            return True
+        if self.in_string:
+            if self.escaped or b == ord("\\"):  # an escape's completion differs until it ends
+                self.escaped = not self.escaped
+                return True
+            if b == ord('"'):
+                self.expect = "colon" if self.in_string == "key" else "after"
+                self.in_string = ""
+                return True
+            return self.in_string == "key"
+        if self.in_number:
+            if b in b"0123456789":
+                return False
+            if b in b".eE+-":
+                return True
+            self.in_number, self.expect = False, "after"
+        if self.in_literal:
+            if b in b"truefalsn":
+                return True
+            self.in_literal, self.expect = False, "after"
+        if b in b"{[":
+            self.stack.append(b)
+            self.expect = "key" if b == ord("{") else "value"
+        elif b in b"}]":
+            if self.stack:
+                self.stack.pop()
+            self.expect = "after"
+            if not self.stack:  # the value is complete; a bare call may be followed by another
+                self.in_json, self.tail = False, b""
+        elif b == ord('"'):
+            self.in_string = "key" if self.expect == "key" else "value"
+        elif b == ord(":"):
+            self.expect = "value"
+        elif b == ord(","):
+            self.expect = "key" if self.stack and self.stack[-1] == ord("{") else "value"
+        elif b in b"-0123456789":
+            self.in_number = True
+        elif b in b"tfn":
+            self.in_literal = True
+        return True
+
+
+class GrammarMatcher:
+    """An llguidance matcher that also follows the output's JSON, to finish it within max_tokens."""
+
+    def __init__(self, inner: LLMatcher, constraints: Constraints) -> None:
+        self.inner = inner
+        self.constraints = constraints
+        self.scan = JsonScan()
+        self._completion: list[int] | None = None
+        self._stale = True
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.inner, name)
+
+    def deep_copy(self) -> GrammarMatcher:
+        """A matcher in the same state (a grammar compiled once serves each sequence of a request)."""
+        twin = GrammarMatcher(self.inner.deep_copy(), self.constraints)
+        twin.scan = copy.deepcopy(self.scan)
+        return twin
+
+    def consume_token(self, token: int) -> bool:
+        ok = self.inner.consume_token(token)
+        if self.scan.feed(self.constraints.token_bytes(token)):
+            self._stale = True
+        return ok
+
+    def completion(self) -> list[int] | None:
+        """The tokens of the shortest way found to finish the grammar from here ([] if it may end
+        here; None if none was found)."""
+        if self._stale:
+            self._completion, self._stale = self._complete(), False
+        return self._completion
+
+    def _complete(self) -> list[int] | None:
+        m = self.inner.deep_copy()
+        if m.is_accepting():
+            return []
+        if m.is_stopped():
+            return None
+        llt, chars = self.constraints.llt, self.constraints.char_tokens()
+        scan = copy.deepcopy(self.scan)
+        out, tokens = bytearray(), []
+        while not m.is_accepting():
+            if len(out) > _MAX_COMPLETION_BYTES:
+                return None
+            forced = m.compute_ff_bytes()
+            if forced:
+                ids = llt.tokenize_bytes(forced)
+            else:
+                ids = []
+                for ch in scan.priority() + "".join(_PRINTABLE):
+                    t = chars.get(ch)
+                    if t is not None and m.validate_tokens([t]) == 1:
+                        ids, forced = [t], ch.encode()
+                        break
+            if not ids or m.try_consume_tokens(ids) != len(ids):
+                return None
+            scan.feed(forced)
+            out += forced
+            tokens += ids
+        # One tokenization of the whole completion is usually shorter than the pieces'.
+        whole = llt.tokenize_bytes(bytes(out))
+        if len(whole) < len(tokens) and self.inner.deep_copy().try_consume_tokens(whole) == len(whole):
+            return whole
+        return tokens
+
+    def restrict(self, logits: torch.Tensor, tokens_left: int) -> None:
+        """Near the end of the budget, leave only what still lets the grammar finish in time."""
+        if tokens_left > HORIZON:
+            return
+        plan = self.completion()
+        if not plan or tokens_left > len(plan) + WINDOW:
+            return
+        if logits[plan[0]] == float("-inf"):  # kept from before more of a value was written
+            self._stale = True
+            plan = self.completion()
+            if not plan:
+                return
+        keep = torch.zeros(logits.numel(), dtype=torch.bool)
+        kind = self.scan.kind()
+        if tokens_left > len(plan) and kind is not None:
+            safe = self.constraints.safe(kind)
+            n = min(safe.numel(), keep.numel())
+            keep[:n] = safe[:n]
+        keep[plan[0]] = True
+        logits.masked_fill_(~keep, float("-inf"))
+
+
+def mask_logits(logits: torch.Tensor, matcher: LLMatcher | GrammarMatcher, tokens_left: int | None = None) -> None:
+    """Set every token the grammar forbids next to -inf, in place (one row); with the tokens left
+    before max_tokens, also every token after which the grammar could no longer finish in time."""
     allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
     n = min(allowed.numel(), logits.numel())
     logits[:n].masked_fill_(allowed[:n] == 0, float("-inf"))
     if logits.numel() > n:
         logits[n:] = float("-inf")
+    if tokens_left is not None and isinstance(matcher, GrammarMatcher):
+        matcher.restrict(logits, tokens_left)

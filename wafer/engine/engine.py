@@ -182,7 +182,8 @@ class LLMEngine:
             rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
             for i, seq in enumerate(plain):
                 if seq.matcher is not None:
-                    self._guard(seq, outputs, mask_logits, rows[i], seq.matcher)
+                    self._guard(seq, outputs, mask_logits, rows[i], seq.matcher,
+                                seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt))
             for seq, token, lp in self._sample(rows, plain, outputs):
                 self._guard(seq, outputs, lambda s, t, l: outputs.append(self._append(s, t, l)), seq, token, lp)
         for item, row in verifying:

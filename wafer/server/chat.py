@@ -18,11 +18,13 @@ from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, sse, 
 from wafer.server.protocol import ChatCompletionRequest
 from wafer.server.streaming import EventStreamResponse
 from wafer.server.tools import (
-    ToolStream,
+    OPEN,
+    CallParser,
     check_schema,
     history_for_generic_template,
+    history_for_tool_template,
     json_grammar,
-    parse_tool_calls,
+    parse_reply,
     template_knows_tools,
     tool_grammar,
     tools_system_prompt,
@@ -87,7 +89,8 @@ class ChatHandler(GenerationHandler):
     def _grammar(self, req: ChatCompletionRequest, tools: list[dict[str, Any]],
                  choice: str | dict[str, Any]) -> str | None:
         if tools:
-            grammar, param = tool_grammar(tools, choice, req.parallel_tool_calls), "tools"
+            special = self.m.engine.engine.constraints.is_special(OPEN)
+            grammar, param = tool_grammar(tools, choice, req.parallel_tool_calls, special), "tools"
         elif req.response_format is not None and req.response_format.type != "text":
             schema = None
             param = "response_format"
@@ -108,7 +111,7 @@ class ChatHandler(GenerationHandler):
         template = self.m.chat_template
         try:
             if tools and template_knows_tools(template.source):
-                return template.render(messages, add_generation_prompt=True, tools=tools)
+                return template.render(history_for_tool_template(messages), add_generation_prompt=True, tools=tools)
             if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
                 messages = history_for_generic_template(messages)
             if tools:
@@ -154,16 +157,13 @@ class ChatHandler(GenerationHandler):
     def _choice(self, c: _Choice, want_lp: bool, tools: bool) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
         finish = c.finish_reason
-        calls = None
         if tools:
-            try:
-                calls = parse_tool_calls(c.text)
-            except (ValueError, KeyError):  # a call cut short by max_tokens: leave the text as it is
-                calls = None
-        if calls:
-            message["content"] = None
-            message["tool_calls"] = calls
-            finish = "tool_calls" if finish == "stop" else finish
+            # Complete calls whatever follows them; one cut by max_tokens is dropped (and logged), and
+            # finish_reason stays "length" to say so.
+            message["content"], calls, _ = parse_reply(c.text)
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
         return {"index": c.index, "message": message,
                 "logprobs": self._chat_logprobs(c.logprobs) if want_lp else None, "finish_reason": finish}
 
@@ -184,7 +184,7 @@ class ChatHandler(GenerationHandler):
                 return texts[index](delta["content"])  # the chunk of nearly every token
             return sse(event(index, delta, finish, logprobs))
 
-        parsers = [ToolStream() if tools else None for _ in streams]
+        parsers = [CallParser() if tools else None for _ in streams]
 
         def render(c: _Choice, out: SequenceOutput, _offset: int) -> list[str]:
             lps = self._chat_logprobs(out.logprobs) if want_lp and out.logprobs else None
@@ -196,7 +196,7 @@ class ChatHandler(GenerationHandler):
             lines = [chunk(c.index, delta, None, lps if k == 0 else None) for k, delta in enumerate(deltas)]
             if out.finished:
                 finish = c.finish_reason
-                if parser is not None and parser.mode == "calls" and finish == "stop":
+                if parser is not None and parser.calls and finish == "stop":
                     finish = "tool_calls"
                 lines.append(chunk(c.index, {}, finish))
             return lines

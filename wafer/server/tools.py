@@ -1,14 +1,19 @@
 """Tool calling and structured output: grammars from JSON Schemas, the prompt format for models
 whose template knows no tools, and parsing the model's calls (whole or streamed).
 
-The model writes each call as `<tool_call>{"name":"NAME","arguments":{...}}</tool_call>`; the
-grammar makes that exact shape the only one it can produce once it starts a call.
+A call is the JSON object `{"name": NAME, "arguments": {...}}`, written either tagged,
+`<tool_call>{...}</tool_call>` (Qwen2.5's template, and the generic prompt below), or bare, as
+the reply's first thing (as Qwen2.5-Coder's small models write it). With `tool_choice: "auto"`
+the reply is free text unless a call begins, after any text for a tagged call and at the very
+start for a bare one; from its first characters on, the grammar holds the call to its schema (a
+lazily triggered grammar, as llama.cpp's "grammar triggers"). Like llama.cpp's Hermes/Qwen
+handler, a reply that opens `{"name"` is a call; other text that starts with `{` stays text.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,74 +22,129 @@ from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 from llguidance import LLMatcher
 
+from wafer.engine.constraints import CALL_CLOSE, CALL_OPEN
 from wafer.server.errors import bad_request
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
+log = logging.getLogger("wafer.tools")
 # Compact separators make the generated JSON's layout fixed, which the streaming parser relies on.
 _COMPACT = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+# How a bare call opens: `{"name": "`, spaced or laid out on lines, maybe in a ```json block.
+_WS = r"[ \n]{0,8}"
+_HEAD = rf'{_WS}\{{{_WS}"name"{_WS}:{_WS}"'
+_FENCES = ("```json\n", "```\n")
+_NOT_BARE = rf'~/(```(json)?\n)?{_WS}\{{{_WS}"name"(.|\n)*/'
+
+
+# Deeper than this, a schema is refused: the checks and the grammar compiler recurse once a level or
+# more (OpenAI's own structured outputs allow 10 levels).
+MAX_SCHEMA_DEPTH = 64
+
+
+def _schema_depth(schema: Any) -> int:
+    deepest, stack = 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:
+            break
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 def check_schema(schema: Any, param: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise bad_request("must be a JSON Schema object", param)
+    if _schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise bad_request(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep", param)
+    # Keywords whose type the checks below take for granted (validator_for hashes `$schema`).
+    if not isinstance(schema.get("$schema", ""), str):
+        raise bad_request("not a valid JSON Schema: '$schema' must be a string", param)
+    if not isinstance(schema.get("x-guidance", {}), dict):
+        raise bad_request("'x-guidance' must be an object of grammar options", param)
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         raise bad_request(f"not a valid JSON Schema: {e.message}", param) from None
+    except RecursionError:  # a $ref cycle the meta-schema check follows
+        raise bad_request("not a valid JSON Schema: its references recurse without end", param) from None
     return schema
 
 
-def _call_schema(name: str, parameters: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The schema of one call of a tool, and the definitions its arguments refer to. Those sit at the
-    root of the arguments' schema (`$defs`, as pydantic writes them, or `definitions`), which is no
-    longer the root once nested in the call: they move to the grammar's root under names of this
-    tool's own, and the references follow."""
-    parameters = parameters or {"type": "object"}
-    defs = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
-    prefix = f"{name}__"
-
-    def rewrite(node: Any) -> Any:
-        if isinstance(node, list):
-            return [rewrite(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and isinstance(value, str):
-                for base in ("#/$defs/", "#/definitions/"):
-                    if value.startswith(base):
-                        value = "#/$defs/" + prefix + value[len(base):]
-            out[key] = rewrite(value)
-        return out
-
-    arguments = rewrite({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")})
-    schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-              "required": ["name", "arguments"], "additionalProperties": False}
-    return schema, {prefix + k: rewrite(v) for k, v in defs.items()}
+def closed(schema: Any) -> Any:
+    """The schema with every object that does not say `additionalProperties` closed to the keys it
+    lists, as OpenAI's strict schemas and xgrammar's strict mode read them: a small model otherwise
+    invents keys. Branches of `allOf` stay open, since each lists only part of the keys."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            out[key] = {k: closed(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties", "not", "if", "then",
+                     "else", "contains", "additionalItems", "unevaluatedItems"):
+            out[key] = closed(value)
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [{k: closed(v) if k != "additionalProperties" else v for k, v in s.items()}
+                        if isinstance(s, dict) else s for s in value]
+        else:
+            out[key] = value
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
+        or "properties" in out
+    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
-def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
-    """Lark grammar for the assistant's reply. `auto`: free text (not starting with '<') or calls;
-    `required`: one call or more (one, without parallel calls); a named function: that call."""
+def _lit(text: str) -> str:
+    """A lark string literal for text."""
+    return json.dumps(text)
+
+
+def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool,
+                 special_tags: bool = False) -> str:
+    """Lark grammar for the assistant's reply. `auto`: free text, or calls (tagged after any text,
+    or bare from the start); `required`: one call or more (one, without parallel calls); a named
+    function: that call. `special_tags`: the tokenizer has the tags as special tokens of their own
+    (Qwen2.5's), which a grammar names as such rather than spells."""
+    open_, close = (OPEN, CLOSE) if special_tags else (_lit(OPEN), _lit(CLOSE))
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
         choice, parallel = "required", False
-    calls = [_call_schema(t["function"]["name"], t["function"].get("parameters") or {}) for t in tools]
-    schemas = [schema for schema, _ in calls]
-    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    defs = {k: v for _, d in calls for k, v in d.items()}
-    if defs:
-        body = {**body, "$defs": defs}
-    lark = [
-        f"calls: {'call+' if parallel else 'call'}",
-        f'call: "{OPEN}" body "{CLOSE}"',
-        f"body: %json {json.dumps({**body, 'x-guidance': _COMPACT})}",
+    lark = ["%llguidance {}"]
+    for i, t in enumerate(tools):
+        args = closed(t["function"].get("parameters") or {"type": "object"})
+        args = {**args, "x-guidance": {**_COMPACT, **args.get("x-guidance", {})}}
+        lark += [
+            f'tail_{i}: {_lit(t["function"]["name"] + chr(34))} WS? "," WS? "\\"arguments\\"" WS? ":" WS? '
+            f'args_{i} WS? "}}"',
+            f"args_{i}: %json {json.dumps(args)}",
+        ]
+    lark += [
+        "tail: " + " | ".join(f"tail_{i}" for i in range(len(tools))),
+        'obj: "{" WS? "\\"name\\"" WS? ":" WS? "\\"" tail',
+        f"rest: WS? obj WS? {close}",
+        f"tagged: {open_} rest",
+        "more: WS? tagged",
+        f"bare_lead[lazy]: /{_HEAD}/",
+        f"fenced_lead[lazy]: /```(json)?\\n{_HEAD}/",
+        'bare: bare_lead tail | fenced_lead tail WS? "```"',
+        r"WS: /[ \n]{1,8}/",
     ]
+    many = " more*" if parallel else ""
+    bares = "bare+" if parallel else "bare"
     if choice == "auto":
-        lark = ["start: TEXT | calls", r"TEXT: /[^<][\s\S]*/", *lark]
+        text = f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{OPEN}(.|\\n)*/ & {_NOT_BARE}"
+        if special_tags:  # a special token ends any text before it
+            lark += [f"start: TEXT | TEXT? tagged{many} | {bares}", text]
+        else:  # text up to the first tag is one lazy lexeme: it ends as soon as the tag is written
+            lark += [f"start: TEXT | lead rest{many} | {bares}", f"lead[lazy]: /(.|\\n)*{OPEN}/ & {_NOT_BARE}", text]
     else:
-        lark = ["start: calls", *lark]
+        lark += [f"start: tagged{many} | {bares}"]
     return LLMatcher.grammar_from_lark("\n".join(lark))
 
 
@@ -129,10 +189,23 @@ def history_for_generic_template(messages: list[dict[str, Any]]) -> list[dict[st
     return out
 
 
+def history_for_tool_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls' arguments as objects: templates with tool support (Qwen2.5's) write them with
+    `tojson`, which would quote OpenAI's argument strings a second time (vLLM parses them too)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{**c, "function": {**c["function"], "arguments": _loads(c["function"]["arguments"])}}
+                     for c in m["tool_calls"]]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # kept as the text it is
         return text
 
 
@@ -140,78 +213,146 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
-    """The calls in a finished reply, OpenAI-shaped; None if the reply is plain text."""
-    if not text.startswith(OPEN):
+def _object_end(text: str, start: int) -> int:
+    """The index just past the JSON object that opens at text[start], or -1 if it has not ended."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def _call(obj_text: str) -> dict[str, Any] | None:
+    """One finished call object, OpenAI-shaped, its arguments exactly as generated (what a streaming
+    client would have received), not re-serialised; None if it is not a call."""
+    try:
+        obj = json.loads(obj_text)
+        name, args = obj["name"], obj["arguments"]
+    except (ValueError, KeyError, TypeError):
         return None
-    calls = []
-    for body in re.findall(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), text, flags=re.S):
-        obj = json.loads(body)
-        # The arguments exactly as generated (what streaming clients received), not re-serialised.
-        head = '{"name":' + json.dumps(obj["name"]) + ',"arguments":'
-        args = body[len(head) : -1] if body.startswith(head) else json.dumps(obj["arguments"])
-        calls.append({"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}})
-    return calls
+    if not isinstance(name, str) or not isinstance(args, dict):
+        return None
+    key = obj_text.find('"arguments"')
+    start = obj_text.index(":", key) + 1
+    while obj_text[start] in " \n":
+        start += 1
+    raw = obj_text[start:_object_end(obj_text, start)]
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": raw}}
+
+
+def _bare_head(text: str) -> str:
+    """Whether text opens a bare call: "yes", "no", or "maybe" (it still could)."""
+    for fence in _FENCES:
+        if text.startswith(fence):
+            text = text[len(fence) :]
+            break
+        if fence.startswith(text):
+            return "maybe"
+    text = text.lstrip(" \n")
+    if not text:
+        return "maybe"
+    if text[0] != "{":
+        return "no"
+    text = text[1:].lstrip(" \n")
+    if text.startswith('"name"'):
+        return "yes"
+    return "maybe" if '"name"'.startswith(text) else "no"
 
 
 @dataclass
-class ToolStream:
-    """Turns streamed reply text into content deltas or tool-call deltas, as OpenAI streams them:
-    `id`, `type` and `function.name` on the first delta of each index, argument fragments after."""
+class CallParser:
+    """Splits a reply, whole or as it streams, into content and complete calls. A call is passed on
+    only once its JSON has closed, so that one cut short by max_tokens is dropped (`dropped`), never
+    sent in part nor as text."""
 
     text: str = ""
-    sent: int = 0  # characters of `text` already turned into deltas
-    mode: str = "undecided"  # undecided | content | calls
-    index: int = -1
-    ids: list[str] = field(default_factory=list)
-    in_args: bool = False
+    pos: int = 0  # characters of `text` already passed on
+    mode: str = "start"  # start | text | calls
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    dropped: bool = False
 
     def feed(self, piece: str, final: bool = False) -> list[dict[str, Any]]:
         """Delta dicts for the chat chunk ({"content": ...} or {"tool_calls": [...]})."""
         self.text += piece
-        if self.mode == "undecided":
-            if self.text.startswith(OPEN):
+        deltas: list[dict[str, Any]] = []
+        if self.mode == "start":
+            head = _bare_head(self.text)
+            if self.text.startswith(OPEN) or head == "yes":
                 self.mode = "calls"
-            elif not OPEN.startswith(self.text) or final:
-                self.mode = "content"
+            elif OPEN.startswith(self.text) or head == "maybe":
+                if not final:
+                    return deltas
+                self.mode = "calls"  # a call cut before its name
             else:
-                return []
-        if self.mode == "content":
-            out = self.text[self.sent :]
-            self.sent = len(self.text)
-            return [{"content": out}] if out else []
-        return self._calls(final)
+                self.mode = "text"
+        if self.mode == "text":
+            tag = self.text.find(OPEN, self.pos)
+            end = tag if tag >= 0 else len(self.text)
+            if tag < 0 and not final:
+                # Hold back what could be the start of a tag, and blanks that would precede one.
+                for k in range(min(len(OPEN) - 1, end - self.pos), 0, -1):
+                    if OPEN.startswith(self.text[end - k :]):
+                        end -= k
+                        break
+                end = self.pos + len(self.text[self.pos : end].rstrip())
+            out = self.text[self.pos : end]
+            if tag >= 0:
+                out = out.rstrip()
+            if out:
+                deltas.append({"content": out})
+            self.pos = end
+            if tag < 0:
+                return deltas
+            self.mode, self.pos = "calls", tag
+        return deltas + self._calls(final)
 
     def _calls(self, final: bool) -> list[dict[str, Any]]:
-        deltas: list[dict[str, Any]] = []
+        deltas = []
         while True:
-            rest = self.text[self.sent :]
-            if not self.in_args:
-                # A call opens with `<tool_call>{"name":"NAME","arguments":` (the grammar fixes the layout).
-                head = re.match(re.escape(OPEN + '{"name":"') + r'((?:[^"\\]|\\.)*)","arguments":', rest)
-                if not head:
-                    return deltas
-                self.index += 1
-                self.ids.append(new_call_id())
-                deltas.append({"tool_calls": [{"index": self.index, "id": self.ids[-1], "type": "function",
-                                               "function": {"name": json.loads('"' + head.group(1) + '"'),
-                                                            "arguments": ""}}]})
-                self.sent += head.end()
-                self.in_args = True
-                continue
-            end = rest.find("}" + CLOSE)
-            if end >= 0:  # the arguments end just before the call object's closing brace
-                if end:
-                    deltas.append(self._args(rest[:end]))
-                self.sent += end + 1 + len(CLOSE)
-                self.in_args = False
-                continue
-            # Inside the arguments: hold back what could be the start of "}</tool_call>".
-            safe = len(rest) if final else len(rest) - len("}" + CLOSE)
-            if safe > 0:
-                deltas.append(self._args(rest[:safe]))
-                self.sent += safe
-            return deltas
+            rest = self.text[self.pos :]
+            stripped = rest.lstrip(" \n")
+            self.pos += len(rest) - len(stripped)
+            for tag in (OPEN, CLOSE, *_FENCES, "```"):
+                if stripped.startswith(tag):
+                    self.pos += len(tag)
+                    break
+            else:
+                if not stripped.startswith("{"):
+                    break
+                end = _object_end(self.text, self.pos)
+                if end < 0:
+                    break
+                call = _call(self.text[self.pos : end])
+                self.pos = end
+                if call is None:
+                    continue
+                self.calls.append(call)
+                deltas.append({"tool_calls": [{"index": len(self.calls) - 1, **call}]})
+        if final and "{" in self.text[self.pos :]:
+            self.dropped = True
+            log.info("a tool call cut short by max_tokens was dropped: %r", self.text[self.pos :][:200])
+        return deltas
 
-    def _args(self, fragment: str) -> dict[str, Any]:
-        return {"tool_calls": [{"index": self.index, "function": {"arguments": fragment}}]}
+
+def parse_reply(text: str) -> tuple[str | None, list[dict[str, Any]], bool]:
+    """A finished reply's content (None if empty), its complete calls, and whether a call cut short
+    was dropped."""
+    parser = CallParser()
+    content = "".join(d["content"] for d in parser.feed(text, final=True) if "content" in d)
+    if parser.calls or parser.dropped:
+        content = content.strip()
+    return content or None, parser.calls, parser.dropped

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.quality import corpus_ids, perplexity
+from wafer.models import kernels
 from wafer.models.loader import load_model
 
 TOKENS = 1024
@@ -28,4 +29,29 @@ def test_compute_path_perplexity_within_two_percent_of_f32(reference, path, step
     assert loaded.compute == path, loaded.warning
     ppl = perplexity(loaded, ids, WINDOW, step)
     assert 5 < ref < 50  # the reference itself is sane for this model and text
+    assert ppl <= 1.02 * ref, (path, loaded.kernels, ppl, ref)
+
+
+# wafer serve takes the best variant this CPU runs (tested above); WAFER_KERNELS picks any other, and
+# another CPU gets another by default: each is a compute path of its own arithmetic (its own dot
+# products and rounding), held to the same bound.
+OTHER_VARIANTS = [v.name for v in kernels.runnable()[1:]]
+
+
+@pytest.fixture()
+def variant(request, monkeypatch):
+    monkeypatch.setenv("WAFER_KERNELS", request.param)
+    kernels.status.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    kernels.status.cache_clear()
+
+
+@pytest.mark.parametrize("variant", OTHER_VARIANTS, indirect=True)
+@pytest.mark.parametrize("path", ["q8", "q4"])
+def test_every_kernel_variant_perplexity_within_two_percent_of_f32(reference, path, variant):
+    ids, ref = reference
+    loaded = load_model(compute=path)
+    assert loaded.compute == path and variant in loaded.kernels, (loaded.kernels, loaded.warning)
+    ppl = perplexity(loaded, ids, WINDOW, WINDOW)
     assert ppl <= 1.02 * ref, (path, loaded.kernels, ppl, ref)

@@ -18,6 +18,16 @@ def chat(**kw):
     return {"model": MODEL, "messages": OK_MSG, **kw}
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+DEEP = _nested(100)
+
+
 # (name, method, path, body (dict, or raw bytes), expected status, expected param or None, expected code or None)
 CASES = [
     ("malformed json", "POST", CHAT, b'{"model": ', 400, None, "invalid_json"),
@@ -97,6 +107,25 @@ CASES = [
         "name": "x", "schema": {"type": 12}}}), 400, "response_format.json_schema.schema", None),
     ("response_format unknown type", "POST", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format",
      None),
+    ("tool schema $schema not a string", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"$schema": [], "type": "object"}}}]), 400, "tools[0].function.parameters", None),
+    ("tool schema x-guidance not an object", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"x-guidance": 1, "type": "object"}}}]), 400, "tools[0].function.parameters", None),
+    ("json_schema x-guidance not an object", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "x-guidance": 1}}}), 400, "response_format.json_schema.schema", None),
+    ("json_schema $schema not a string", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "$schema": {}}}}), 400, "response_format.json_schema.schema", None),
+    ("tool schema 100 objects deep", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": DEEP}}]), 400, "tools[0].function.parameters", None),
+    ("json_schema 100 objects deep", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": DEEP}}), 400, "response_format.json_schema.schema", None),
+    ("auto with a non-text part whose text is a number", "POST", CHAT, chat(model="auto", messages=[
+        {"role": "user", "content": [{"type": "image_url", "text": 5}]}]), 400, "messages[0].content", None),
+    ("tool call arguments nested 100000 deep", "POST", CHAT, chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 100000}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "x"}]), 400, "messages", "context_length_exceeded"),
     ("unknown model card", "GET", "/v1/models/nope", None, 404, "model", "model_not_found"),
     ("unknown route", "GET", "/v1/nothing", None, 404, None, None),
     ("wrong method", "GET", CHAT, None, 405, None, None),

@@ -14,7 +14,7 @@ from wafer.engine.constraints import GrammarError
 from wafer.engine.sequence import SequenceOutput, TokenLogprob
 from wafer.models.chat_template import TemplateError
 from wafer.server.errors import bad_request
-from wafer.server.generation import TEXT_HOLE, GenerationHandler, _Choice, sse, text_event
+from wafer.server.generation import OFF_LOOP_BYTES, TEXT_HOLE, GenerationHandler, _Choice, off_loop, sse, text_event
 from wafer.server.protocol import ChatCompletionRequest
 from wafer.server.streaming import EventStreamResponse
 from wafer.server.tools import (
@@ -125,25 +125,37 @@ class ChatHandler(GenerationHandler):
             raise bad_request(f"The conversation cannot be rendered by this model's chat template: {e}",
                               "messages") from None
 
+    def _prepare(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str | None, Any, list[int]]:
+        """Tools, grammar (and its compiled matcher) and prompt ids: the work that grows with the
+        request, done before the engine sees it."""
+        tools, choice = self._tools(req)
+        grammar = self._grammar(req, tools, choice)
+        try:
+            compiled = self.m.engine.engine.constraints.matcher(grammar) if grammar is not None else None
+        except GrammarError as e:
+            raise bad_request(f"the schema cannot be compiled into a grammar: {e}",
+                              "tools" if tools else "response_format") from None
+        ids = self.m.tokenizer.encode(self._render(self._messages(req), tools, choice), add_special_tokens=False)
+        return tools, grammar, compiled, ids
+
     async def chat(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | EventStreamResponse:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        tools, choice = self._tools(req)
-        grammar = self._grammar(req, tools, choice)
-        ids = self.m.tokenizer.encode(self._render(self._messages(req), tools, choice), add_special_tokens=False)
+        heavy = bool(req.tools or req.response_format) or len(await request.body()) > OFF_LOOP_BYTES
+        tools, grammar, compiled, ids = await off_loop(heavy, self._prepare, req)
         limit = self._limit(len(ids), req.output_limit, "messages")
         lp = (req.top_logprobs or 0) if req.logprobs else None
         jobs = []
         for i in range(req.n):
             params = self._params(req, limit, i, lp)
-            params.grammar = grammar
+            params.grammar, params.compiled = grammar, compiled
             jobs.append((ids, params))
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "created": int(time.time()), "model": req.model, "system_fingerprint": self.m.fingerprint}
         streams = self._submit(jobs, rid)
         if req.stream:
             return EventStreamResponse(self._chat_stream(streams, head, len(ids), req.include_usage, lp is not None,
-                                                            bool(tools)))
+                                                            bool(tools)), on_disconnect=self._aborter(streams))
         choices = await self._collect(streams, request, rid, len(ids))
         if choices is None:
             return JSONResponse({}, status_code=499)

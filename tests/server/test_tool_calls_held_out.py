@@ -87,7 +87,7 @@ def plan(shortest: list[int], n: int = 200) -> list[dict]:
         reqs.append({"k": k, "stream": bool(i % 2), "kwargs": dict(
             model=MODEL, messages=[{"role": "user", "content": PROMPTS[k]}],
             tools=[tool(k), tool((k + 1) % len(HELD_OUT))], tool_choice=choice, max_tokens=max_tokens, seed=i,
-            parallel_tool_calls=bool(i % 5))})
+            parallel_tool_calls=i % 5 == 0)})  # one call ends the reply, which keeps the run short
     return reqs
 
 

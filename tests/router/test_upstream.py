@@ -194,6 +194,7 @@ def test_upstream_429_reaches_the_client_in_openai_shape(routed):
     r = ask(routed, "limit")
     assert r.status_code == 429
     assert openai_error(r)["type"] == "rate_limit_error"
+    assert r.headers["retry-after"] == "7"  # the upstream's wait, passed on for the client to honour
     client = OpenAI(base_url=routed.base_url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(RateLimitError):
         client.chat.completions.create(model="limit", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)

@@ -21,6 +21,7 @@ class UpstreamReply:
     status: int
     json: dict[str, Any] | None = None  # non-streaming
     stream: AsyncIterator[bytes] | None = None  # streaming: the upstream's SSE events as they come
+    retry_after: str | None = None  # a 429's Retry-After, for the client to honour
 
 
 async def forward(client: httpx.AsyncClient, up: UpstreamConfig, path: str, body: dict[str, Any]) -> UpstreamReply:
@@ -34,7 +35,8 @@ async def forward(client: httpx.AsyncClient, up: UpstreamConfig, path: str, body
             r = await client.post(url, json=payload, headers=headers, timeout=up.timeout)
             if r.status_code >= 500:
                 raise UpstreamUnavailable(f"{up.name}: HTTP {r.status_code}")
-            return UpstreamReply(r.status_code, json=_json_object(up, r.status_code, r.content))
+            return UpstreamReply(r.status_code, json=_json_object(up, r.status_code, r.content),
+                                 retry_after=r.headers.get("retry-after"))
         request = client.build_request("POST", url, json=payload, headers=headers, timeout=up.timeout)
         response = await client.send(request, stream=True)
     except httpx.HTTPError as e:
@@ -45,7 +47,8 @@ async def forward(client: httpx.AsyncClient, up: UpstreamConfig, path: str, body
         if response.status_code != 200:
             data = await response.aread()
             await response.aclose()
-            return UpstreamReply(response.status_code, json=_json_object(up, response.status_code, data))
+            return UpstreamReply(response.status_code, json=_json_object(up, response.status_code, data),
+                                 retry_after=response.headers.get("retry-after"))
         kind = response.headers.get("content-type", "")
         if not kind.startswith("text/event-stream"):
             raise UpstreamUnavailable(f"{up.name}: HTTP 200 with {kind or 'no content type'}, not an event stream")

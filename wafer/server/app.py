@@ -262,6 +262,8 @@ def create_app(
             headers["x-wafer-model"] = up.model
             if reply.stream is not None:
                 return StreamingResponse(reply.stream, media_type="text/event-stream", headers=headers)
+            if reply.retry_after is not None:
+                headers["Retry-After"] = reply.retry_after
             return JSONResponse(reply.json, status_code=reply.status, headers=headers)
         raise APIError(503, f"No server could answer for `{req.model}`: {'; '.join(failures)}", "server_error", None,
                        "upstream_unavailable", {"Retry-After": "5"})

@@ -338,3 +338,20 @@ def test_metrics_open_by_default_and_protected_on_request(smollm, server):
         assert httpx.get(s.base_url + "/health").status_code == 200
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, chat(messages=[{"role": "user", "content": "\n" * 1_500_000}])),
+    (COMP, {"model": MODEL, "prompt": "ab " * 500_000}),
+], ids=["chat", "completions"])
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(server, path, body):
+    """Megabytes of text would take seconds to tokenize only to be refused: a text longer than the
+    context times the longest token's text is refused at once."""
+    import time
+
+    start = time.perf_counter()
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    took = time.perf_counter() - start
+    assert r.status_code == 400 and check_shape(r)["code"] == "context_length_exceeded"
+    assert "characters" in r.json()["error"]["message"], "it was tokenized"
+    assert took < 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from tokenizers import (
@@ -137,6 +137,12 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (byte-level vocabularies spell a byte a
+        character, so a token's entry is never shorter than its text)."""
+        return max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > 4096:  # the batch call releases the GIL while it works; the single one holds it

@@ -135,7 +135,7 @@ class ChatHandler(GenerationHandler):
         except GrammarError as e:
             raise bad_request(f"the schema cannot be compiled into a grammar: {e}",
                               "tools" if tools else "response_format") from None
-        ids = self.m.tokenizer.encode(self._render(self._messages(req), tools, choice), add_special_tokens=False)
+        ids = self._encode(self._render(self._messages(req), tools, choice), "messages", special=False)
         return tools, grammar, compiled, ids
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | EventStreamResponse:

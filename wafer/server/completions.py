@@ -75,11 +75,11 @@ class CompletionHandler(GenerationHandler):
     def _prompts(self, prompt: Any) -> list[list[int]]:
         tok = self.m.tokenizer
         if isinstance(prompt, str):
-            prompts = [tok.encode(prompt)]
+            prompts = [self._encode(prompt, "prompt")]
         elif prompt and all(isinstance(x, int) for x in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(x, str) for x in prompt):
-            prompts = [tok.encode(p) for p in prompt]
+            prompts = [self._encode(p, "prompt") for p in prompt]
         elif prompt and all(isinstance(x, list) for x in prompt):
             prompts = [list(p) for p in prompt]
         else:

@@ -131,6 +131,18 @@ class GenerationHandler:
             logprobs=logprobs,
         )
 
+    def _encode(self, text: str, param: str, special: bool = True) -> list[int]:
+        """The text's tokens; a text too long to fit the context whatever its tokens is refused before
+        it is tokenized, which for megabytes takes seconds of a core."""
+        widest = self.m.tokenizer.max_token_chars
+        if len(text) > self.m.max_model_len * widest:
+            ctx = self.m.max_model_len
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your {param} "
+                           f"has {len(text)} characters, which is more than {ctx} tokens of at most {widest} "
+                           f"characters each. Please reduce the length of the {param}.", "invalid_request_error",
+                           param, "context_length_exceeded")
+        return self.m.tokenizer.encode(text, add_special_tokens=special)
+
     def _limit(self, prompt_len: int, requested: int | None, param: str) -> int:
         ctx = self.m.max_model_len
         if requested is None:

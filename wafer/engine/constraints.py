@@ -28,6 +28,7 @@ WINDOW = 12
 # Beyond this many tokens left nothing is computed: a completion longer than that is not looked for.
 HORIZON = 1024
 _MAX_COMPLETION_BYTES = 2048
+_LOOKAHEAD = 4  # characters tried where the grammar allows several and none is forced
 _PRINTABLE = [chr(c) for c in range(0x30, 0x7F)] + [chr(c) for c in range(0x20, 0x30)]
 
 
@@ -242,8 +243,21 @@ class GrammarMatcher:
             return []
         if m.is_stopped():
             return None
+        found = self._greedy(m, copy.deepcopy(self.scan), lookahead=True)
+        if found is None:
+            return None
+        out, tokens = found
+        # One tokenization of the whole completion is usually shorter than the pieces'.
+        whole = self.constraints.llt.tokenize_bytes(out)
+        if len(whole) < len(tokens) and self.inner.deep_copy().try_consume_tokens(whole) == len(whole):
+            return whole
+        return tokens
+
+    def _greedy(self, m: LLMatcher, scan: JsonScan, lookahead: bool) -> tuple[bytes, list[int]] | None:
+        """Bytes and tokens that finish the grammar from m's state: forced bytes as they come, else the
+        cheapest allowed character. With lookahead, where several are allowed (which tool, which
+        value), each of the first few is finished greedily and the shortest is taken."""
         llt, chars = self.constraints.llt, self.constraints.char_tokens()
-        scan = copy.deepcopy(self.scan)
         out, tokens = bytearray(), []
         while not m.is_accepting():
             if len(out) > _MAX_COMPLETION_BYTES:
@@ -252,27 +266,39 @@ class GrammarMatcher:
             if forced:
                 ids = llt.tokenize_bytes(forced)
             else:
-                ids = []
+                options = []
                 for ch in scan.priority() + "".join(_PRINTABLE):
                     t = chars.get(ch)
                     if t is not None and m.validate_tokens([t]) == 1:
-                        ids, forced = [t], ch.encode()
-                        break
+                        options.append((ch, t))
+                        if not lookahead or len(options) == _LOOKAHEAD or (ch == '"' and scan.in_string):
+                            break
+                if not options:
+                    return None
+                best = options[0]
+                if len(options) > 1:
+                    lengths = []
+                    for ch, t in options:
+                        m2, scan2 = m.deep_copy(), copy.deepcopy(scan)
+                        m2.consume_token(t)
+                        scan2.feed(ch.encode())
+                        rest = self._greedy(m2, scan2, lookahead=False)
+                        lengths.append(len(rest[0]) if rest is not None else _MAX_COMPLETION_BYTES)
+                    best = options[lengths.index(min(lengths))]
+                ids, forced = [best[1]], best[0].encode()
             if not ids or m.try_consume_tokens(ids) != len(ids):
                 return None
             scan.feed(forced)
             out += forced
             tokens += ids
-        # One tokenization of the whole completion is usually shorter than the pieces'.
-        whole = llt.tokenize_bytes(bytes(out))
-        if len(whole) < len(tokens) and self.inner.deep_copy().try_consume_tokens(whole) == len(whole):
-            return whole
-        return tokens
+        return bytes(out), tokens
 
     def restrict(self, logits: torch.Tensor, tokens_left: int) -> None:
         """Near the end of the budget, leave only what still lets the grammar finish in time."""
         if tokens_left > HORIZON:
             return
+        if self._stale and self._completion and tokens_left > 2 * (len(self._completion) + WINDOW) + 16:
+            return  # far from the end by the last count: one token seldom doubles a completion
         plan = self.completion()
         if not plan or tokens_left > len(plan) + WINDOW:
             return
@@ -283,6 +309,11 @@ class GrammarMatcher:
                 return
         keep = torch.zeros(logits.numel(), dtype=torch.bool)
         kind = self.scan.kind()
+        # Only a value that could end right here (a free string, a whole number) keeps its
+        # completion as more of it is written; a tool's name or an enum's value picks a branch.
+        head = self.constraints.token_bytes(plan[0])[:1]
+        if kind is not None and head not in ((b'"',) if kind == "string" else (b"}", b"]", b",")):
+            kind = None
         if tokens_left > len(plan) and kind is not None:
             safe = self.constraints.safe(kind)
             n = min(safe.numel(), keep.numel())

@@ -263,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("model", nargs="?", default=None, help=model_help)
+    s.add_argument("model", nargs="?", default=None,
+                   help="GGUF file, Hugging Face directory, or a model of `wafer models` by name or tier (default: "
+                        "the three tiers sol, terra and luna, each installed model serving its own)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[],

@@ -28,6 +28,10 @@ WINDOW = 12
 # Beyond this many tokens left nothing is computed: a completion longer than that is not looked for.
 HORIZON = 1024
 _MAX_COMPLETION_BYTES = 2048
+# Steps of the search for a completion, lookahead included (a few microseconds each): it runs in the
+# engine's step, so a grammar whose completion is long or hard to find (a string of minLength 10**6)
+# costs tens of milliseconds and no forcing, not the step's whole time.
+_SEARCH_FUEL = 10_000
 _LOOKAHEAD = 4  # characters tried where the grammar allows several and none is forced
 _PRINTABLE = [chr(c) for c in range(0x30, 0x7F)] + [chr(c) for c in range(0x20, 0x30)]
 
@@ -214,6 +218,7 @@ class GrammarMatcher:
         self.scan = JsonScan()
         self._completion: list[int] | None = None
         self._stale = True
+        self._fuel = _SEARCH_FUEL
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.inner, name)
@@ -238,6 +243,7 @@ class GrammarMatcher:
         return self._completion
 
     def _complete(self) -> list[int] | None:
+        self._fuel = _SEARCH_FUEL
         m = self.inner.deep_copy()
         if m.is_accepting():
             return []
@@ -260,7 +266,8 @@ class GrammarMatcher:
         llt, chars = self.constraints.llt, self.constraints.char_tokens()
         out, tokens = bytearray(), []
         while not m.is_accepting():
-            if len(out) > _MAX_COMPLETION_BYTES:
+            self._fuel -= 1
+            if len(out) > _MAX_COMPLETION_BYTES or self._fuel < 0:
                 return None
             forced = m.compute_ff_bytes()
             if forced:

@@ -185,10 +185,11 @@ class LLMEngine:
                     self._guard(seq, outputs, mask_logits, rows[i], seq.matcher,
                                 seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt))
             for seq, token, lp in self._sample(rows, plain, outputs):
-                self._guard(seq, outputs, lambda s, t, l: outputs.append(self._append(s, t, l)), seq, token, lp)
+                if (out := self._guard(seq, outputs, self._append, seq, token, lp)) is not None:
+                    outputs.append(out)
         for item, row in verifying:
-            self._guard(item.seq, outputs, lambda i, r: outputs.append(self._verify(i, r)), item,
-                        logits[row : row + item.rows])
+            if (out := self._guard(item.seq, outputs, self._verify, item, logits[row : row + item.rows])) is not None:
+                outputs.append(out)
         return outputs
 
     # --- how much prompt a step may take ----------------------------------------------------------
@@ -248,13 +249,15 @@ class LLMEngine:
                 self._fail(seqs[i], e, failed)
         return out
 
-    def _guard(self, seq: Sequence, failed: list[SequenceOutput], fn, *args) -> None:  # type: ignore[no-untyped-def]
+    def _guard(self, seq: Sequence, failed: list[SequenceOutput], fn, *args):  # type: ignore[no-untyped-def]
+        """fn(*args), or None with `seq` failed alone if it raises (or had failed already)."""
         if seq.finished:
-            return
+            return None
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as e:
             self._fail(seq, e, failed)
+            return None
 
     def _fail(self, seq: Sequence, error: Exception, failed: list[SequenceOutput]) -> None:
         log.error("sequence %d failed in the step and ends alone: %r", seq.seq_id, error, exc_info=error)

@@ -105,3 +105,37 @@ def start(extra: list[str], log: Path, timeout: float = 300.0) -> Server:
         time.sleep(0.5)
     server.stop()
     raise RuntimeError(f"wafer serve did not come up in {timeout:.0f} s; see {log}")
+
+
+def server_errors(server: Server) -> dict[str, float]:
+    """wafer:request_errors by status, as the server counted them."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(server.root + "/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == "wafer:request_errors_total":
+                found[s.labels["status"]] = found.get(s.labels["status"], 0) + s.value
+    return found
+
+
+def log_problems(server: Server) -> list[str]:
+    lines = server.log.read_text(errors="replace").splitlines()
+    return [ln for ln in lines if "Traceback" in ln or " ERROR " in ln or "CRITICAL" in ln]
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def report_server(errors_seen: dict[str, float], problems: list[str], code: int | None) -> None:
+    print(f"server-counted errors (wafer:request_errors by status): {errors_seen or 'none'}; "
+          f"error lines in its log: {len(problems)}; exit code after SIGTERM: {code}")
+    for line in problems[:10]:
+        print(f"  log: {line}")
+
+
+def judge(checks: list[tuple[str, bool]]) -> int:
+    """Print PASS/FAIL per criterion; the exit status."""
+    print()
+    for name, ok in checks:
+        print(f"{verdict(ok)}  {name}")
+    return 0 if all(ok for _, ok in checks) else 1

@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from bench.common import table  # noqa: E402
-from bench.served import Server, start  # noqa: E402
-from bench.storm import log_problems, server_errors, verdict  # noqa: E402
+from bench.served import Server, judge, log_problems, report_server, server_errors, start  # noqa: E402
 from bench.traffic import Cut, Outcome, chat, prompt_pool, random_cut, session, warm_up  # noqa: E402
 from wafer.benchmark.runner import run_async  # noqa: E402
 from wafer.benchmark.workload import Prompt  # noqa: E402
@@ -150,10 +149,7 @@ def main() -> int:
     print(f"\nOutcomes by status, whole run ({len(outcomes)} requests, "
           f"{sum(o.stream for o in outcomes)} streamed)")
     print(table(["outcome", "count"], [[k, str(v)] for k, v in sorted(by.items())]))
-    print(f"server-counted errors (wafer:request_errors by status): {errors_seen or 'none'}; "
-          f"error lines in its log: {len(problems)}; exit code after SIGTERM: {code}")
-    for line in problems[:10]:
-        print(f"  log: {line}")
+    report_server(errors_seen, problems, code)
 
     end = max(rss_at)
     growth = rss_at[end] / rss_at[args.baseline_minute] - 1 if args.baseline_minute in rss_at else float("nan")
@@ -167,10 +163,7 @@ def main() -> int:
         ("server: no 5xx counted in /metrics, no error in its log",
          not any(s.startswith("5") for s in errors_seen) and not problems),
     ]
-    print()
-    for name, ok in checks:
-        print(f"{verdict(ok)}  {name}")
-    return 0 if all(ok for _, ok in checks) else 1
+    return judge(checks)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench.common import table  # noqa: E402
-from bench.served import Server, start  # noqa: E402
+from bench.served import Server, judge, log_problems, report_server, server_errors, start  # noqa: E402
 from bench.traffic import Outcome, chat, counts, prompt_pool, random_cut, session, warm_up  # noqa: E402
 from wafer.benchmark.runner import run_async  # noqa: E402
 from wafer.benchmark.workload import Prompt  # noqa: E402
@@ -74,25 +73,6 @@ async def overload(server: Server, model: str, pool: list[Prompt], n: int, rng: 
         return list(await asyncio.gather(*(
             chat(s, server.base_url, model, rng.choice(short), 16, i % 2 == 0, marker=f"[burst {i}] ")
             for i in range(n))))
-
-
-def server_errors(server: Server) -> dict[str, float]:
-    """wafer:request_errors by status, as the server counted them."""
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(server.root + "/metrics", timeout=30).text):
-        for s in family.samples:
-            if s.name == "wafer:request_errors_total":
-                found[s.labels["status"]] = found.get(s.labels["status"], 0) + s.value
-    return found
-
-
-def log_problems(server: Server) -> list[str]:
-    lines = server.log.read_text(errors="replace").splitlines()
-    return [ln for ln in lines if "Traceback" in ln or " ERROR " in ln or "CRITICAL" in ln]
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
 
 
 def main() -> int:
@@ -167,10 +147,7 @@ def main() -> int:
                 [[f"{rss['loaded']:.1f}", f"{rss['start']:.1f}", f"{rss.get('middle', float('nan')):.1f}",
                   f"{rss['end']:.1f}", f"{rss['after burst']:.1f}"]]))
     growth = rss["end"] / rss["start"] - 1
-    print(f"server-counted errors (wafer:request_errors by status): {errors_seen or 'none'}; "
-          f"error lines in its log: {len(problems)}; exit code after SIGTERM: {code}")
-    for line in problems[:10]:
-        print(f"  log: {line}")
+    report_server(errors_seen, problems, code)
 
     storm_bad = [o for o in storm if not o.cut and (o.error or o.status not in (200, 429) or
                                                      (o.status == 429 and not o.retry_after))]
@@ -191,10 +168,7 @@ def main() -> int:
         ("server: no 5xx counted in /metrics, no error in its log",
          not any(s.startswith("5") for s in errors_seen) and not problems),
     ]
-    print()
-    for name, ok in checks:
-        print(f"{verdict(ok)}  {name}")
-    return 0 if all(ok for _, ok in checks) else 1
+    return judge(checks)
 
 
 if __name__ == "__main__":

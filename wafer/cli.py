@@ -272,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted bearer key (repeatable; visible to `ps`: prefer $WAFER_API_KEY, comma-separated, "
                         "or --api-key-file)")
     s.add_argument("--api-key-file", default=None, help="file of accepted bearer keys, one per line")
+    s.add_argument("--state-db", default=None, metavar="PATH|URL",
+                   help="where /v1/responses keeps stored responses: a SQLite file, or a SQLAlchemy URL such as "
+                        "postgresql://... for a store several servers share (default: state.db under "
+                        "$WAFER_DATA_DIR, else ~/.local/share/wafer, made on first use)")
     s.add_argument("--protect-metrics", action="store_true",
                    help="/metrics and the dashboard's data need the API key too (default: open, as in vLLM)")
     s.add_argument("--max-running", type=int, default=16, help="sequences decoded together")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -9,6 +10,7 @@ from contextlib import asynccontextmanager
 import re
 import secrets
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,16 +20,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wafer.agents.items import ResponseRequest
+from wafer.agents.responses import ResponsesService, sse
+from wafer.agents.store import ResponseStore
 from wafer.router.config import LocalModelConfig, UpstreamConfig, default_config
 from wafer.router.router import Router, UnknownModel
 from wafer.router.upstream import UpstreamUnavailable, forward
 from wafer.server.chat import ChatHandler
 from wafer.server.completions import CompletionHandler
-from wafer.server.errors import APIError, CatchAll
+from wafer.server.errors import APIError, CatchAll, error_response
 from wafer.server.generation import OFF_LOOP_BYTES, ServedModel, off_loop
+from wafer.server.in_process import InProcessChat
 from wafer.server.metrics import ServerMetrics, StatusCounter
 from wafer.server.loop_monitor import LoopMonitor
 from wafer.server.openapi import install_openapi
+from wafer.server.streaming import EventStreamResponse
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("wafer.server")
@@ -50,7 +57,7 @@ class BodyLimit:
                            None, "request_too_large")
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await too_big.response()(scope, receive, send)
+            await error_response(too_big)(scope, receive, send)
             return
         # Read the whole body here (it is small by definition), then replay it to the app.
         chunks: list[bytes] = []
@@ -63,7 +70,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.limit:
-                await too_big.response()(scope, receive, send)
+                await error_response(too_big)(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -86,6 +93,12 @@ def _replay(chunks: list[bytes], final: Message | None, receive: Receive | None 
         return await receive()
 
     return replayed
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read: what receive() gives now is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def default_router(models: list[ServedModel]) -> Router:
@@ -147,10 +160,15 @@ def create_app(
     upstreams: dict[str, UpstreamConfig] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     protect_metrics: bool = False,
+    state_db: str | Path | None = None,
+    responses: ResponsesService | None = None,
 ) -> FastAPI:
     """The HTTP app over local models (each with its engine) and, through the router, upstreams.
     `protect_metrics`: /metrics and the dashboard's data need the API key too (by default they are
-    open, as vLLM leaves /metrics, for a scraper on a private network)."""
+    open, as vLLM leaves /metrics, for a scraper on a private network). `state_db`: where stored
+    responses live (a SQLite path or a SQLAlchemy URL; by default a file under the data directory,
+    made on first use). `responses`: the Responses API's service, when its model turns should run on
+    something else than this app's own chat completions (a scripted model, in tests)."""
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
@@ -164,11 +182,20 @@ def create_app(
     monitor = getattr(metrics, "loop_monitor", None) or LoopMonitor(metrics.registry)
     metrics.loop_monitor = monitor  # type: ignore[attr-defined]
 
+    agents: list[ResponsesService] = [responses] if responses is not None else []
+
+    def responses_service() -> ResponsesService:
+        if not agents:  # the store's file is made on the first use of the Responses API, not at start
+            agents.append(ResponsesService(InProcessChat(answer), ResponseStore(state_db)))
+        return agents[0]
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         monitor.start()
         yield
         await monitor.stop()
+        for service in agents:  # parked programs die with the server
+            await service.close()
 
     app = FastAPI(title="wafer", docs_url=None, redoc_url=None, lifespan=lifespan)
     static = files("wafer.server") / "static"
@@ -179,12 +206,12 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
-        return e.response()
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return APIError(e.status_code, str(e.detail), "invalid_request_error", None, kind).response()
+        return error_response(APIError(e.status_code, str(e.detail), "invalid_request_error", None, kind))
 
     async def authorize(request: Request) -> None:
         """Bearer keys, when the server has any (a dependency, not middleware: Starlette's
@@ -231,7 +258,11 @@ def create_app(
         return card
 
     async def dispatch(kind: str, request: Request) -> Response:
-        body = await read_json(request)
+        return await answer(kind, await read_json(request), request)
+
+    async def answer(kind: str, body: Any, request: Request) -> Response:
+        """A chat or legacy completion of a parsed body, by whichever model the router picks: what the
+        endpoints answer, and what the agents' model turns run through (with a request of their own)."""
         req = parse_body(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
         heavy = len(await request.body()) > OFF_LOOP_BYTES  # the rules may tokenize the whole text
         try:
@@ -314,6 +345,54 @@ def create_app(
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         return await dispatch("completions", request)
+
+    @v1.post("/responses")
+    async def create_response(request: Request) -> Response:
+        req = parse_body(ResponseRequest, await read_json(request))
+        service = responses_service()
+        plan = await service.plan(req)
+        if req.stream:
+            return EventStreamResponse(sse(e) async for e in service.run(plan))
+        final: dict[str, Any] = {}
+
+        async def consume() -> None:
+            async for event in service.run(plan):
+                final.update(event.get("response") or {})
+
+        work = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, watcher):
+                task.cancel()
+            await asyncio.gather(work, watcher, return_exceptions=True)
+        if not work.done() or work.cancelled():
+            return JSONResponse({}, status_code=499)
+        work.result()
+        if plan.failure is not None:
+            raise plan.failure
+        return JSONResponse(final)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return await responses_service().get(response_id)
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return await responses_service().delete(response_id)
+
+    @v1.get("/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
+        q = request.query_params
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, "limit must be an integer from 1 to 100.", "invalid_request_error", "limit",
+                           "invalid_value")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'.", "invalid_request_error", "order", "invalid_value")
+        return await responses_service().input_items(response_id, q.get("after"), int(limit), order)
 
     app.include_router(v1)
     install_openapi(app, secured=bool(keys))

@@ -3,45 +3,18 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from wafer.errors import APIError, bad_request, server_error
+
+__all__ = ["APIError", "CatchAll", "bad_request", "error_response", "server_error"]
 
 log = logging.getLogger("wafer.server")
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-def server_error(message: str) -> APIError:
-    return APIError(500, message, "server_error", None, "internal_error")
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class CatchAll:
@@ -70,4 +43,4 @@ class CatchAll:
             if started:  # a streamed reply already under way: only closing the connection can end it
                 raise
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            await server_error("Internal server error.").response()(scope, receive, send)
+            await error_response(server_error("Internal server error."))(scope, receive, send)

@@ -266,7 +266,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"  WARNING {note}", file=sys.stderr, flush=True)
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
-    app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics)
+    app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics,
+                     state_db=args.state_db)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, served, args.shutdown_grace)

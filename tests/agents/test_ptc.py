@@ -1,0 +1,207 @@
+"""Programmatic tool calling through `/v1/responses`, on a scripted model, with the `openai` SDK as
+the client: programs that call the client's tools pause and resume, several calls made together
+come back together, and every way a program can fail ends as an incomplete `program_output`, never
+an HTTP error."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from tests.agents.scripted import ScriptedChat
+from tests.serving import start_server
+from wafer.agents.ptc import ProgramPool
+from wafer.agents.responses import ResponsesService
+from wafer.agents.sandbox import Limits, check_sandbox
+from wafer.agents.store import ResponseStore
+
+pytestmark = pytest.mark.skipif(check_sandbox() is not None, reason=f"no sandbox here: {check_sandbox()}")
+
+MODEL = "SmolLM2-135M-Instruct"
+STOCK = {"a": 3, "b": 5, "c": 7}
+PRICE = {"a": 1.5, "b": 2.25}
+TOOLS = [
+    {"type": "programmatic_tool_calling"},
+    {"type": "function", "name": "get_stock", "description": "Units in stock of a product.",
+     "parameters": {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"],
+                    "additionalProperties": False},
+     "allowed_callers": ["programmatic"]},
+    {"type": "function", "name": "get_price", "description": "Price of a product.",
+     "parameters": {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]},
+     "allowed_callers": ["direct", "programmatic"]},
+]
+LOOP_AND_GATHER = """
+total = 0
+for sku in ["a", "b", "c"]:
+    reply = await get_stock(sku=sku)
+    total += reply["units"]
+prices = await asyncio.gather(get_price(sku="a"), get_price(sku="b"))
+text(f"total={total} prices={[p['price'] for p in prices]}")
+"""
+
+
+@pytest.fixture(scope="module")
+def ptc(smollm, tmp_path_factory):
+    script = ScriptedChat([])
+    pool = ProgramPool(park_seconds=60)
+    service = ResponsesService(script, ResponseStore(tmp_path_factory.mktemp("state") / "state.db"), pool,
+                               Limits(cpu_seconds=2, wall_seconds=4, output_bytes=4096))
+    server = start_server(smollm, names=[MODEL], responses=service)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    yield client, script, pool
+    server.stop()
+
+
+def run_client_tool(call) -> str:
+    args = json.loads(call.arguments)
+    table = STOCK if call.name == "get_stock" else PRICE
+    key = "units" if call.name == "get_stock" else "price"
+    return json.dumps({key: table[args["sku"]]})
+
+
+def test_a_program_pauses_on_each_client_call_and_resumes(ptc):
+    client, script, pool = ptc
+    script.bodies.clear()
+    script.turns[:] = [[("run_program", {"code": LOOP_AND_GATHER})], "There are 15 units in all."]
+    r = client.responses.create(model=MODEL, input="How many units of a, b and c, and the prices of a and b?",
+                                tools=TOOLS)
+    program = r.output[0]
+    assert program.type == "program" and "get_stock" in program.code
+    batches = []
+    while True:
+        calls = [i for i in r.output if i.type == "function_call"]
+        if not calls:
+            break
+        assert all(c.caller is not None and c.caller.type == "program" and c.caller.caller_id == program.call_id
+                   for c in calls)
+        batches.append([(c.name, json.loads(c.arguments)["sku"]) for c in calls])
+        r = client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS, input=[
+            {"type": "function_call_output", "call_id": c.call_id, "output": run_client_tool(c)} for c in calls])
+    # three pauses of the loop, then the two calls of gather together
+    assert batches == [[("get_stock", "a")], [("get_stock", "b")], [("get_stock", "c")],
+                       [("get_price", "a"), ("get_price", "b")]]
+    out = [i for i in r.output if i.type == "program_output"]
+    assert len(out) == 1 and out[0].status == "completed" and out[0].call_id == program.call_id
+    assert out[0].result.strip() == "total=15 prices=[1.5, 2.25]"
+    assert r.output_text == "There are 15 units in all."
+    # The model read the program and its output, not the calls the program made.
+    second = json.dumps(script.bodies[1]["messages"])
+    assert "total=15" in second and "get_stock" in second  # in the program's code
+    assert not any(m.get("role") == "tool" and "units" in m["content"] for m in script.bodies[1]["messages"])
+    # Only `get_price` allows a direct call; the program tool lists both.
+    names = [t["function"]["name"] for t in script.bodies[0]["tools"]]
+    assert names == ["get_price", "run_program"]
+    assert "get_stock" in script.bodies[0]["tools"][1]["function"]["description"]
+    assert not pool.parked
+
+
+def test_resending_the_items_resumes_too(ptc):
+    client, script, pool = ptc
+    script.turns[:] = [[("run_program", {"code": "r = await get_price(sku='b')\ntext(r['price'] * 2)"})], "4.5"]
+    r = client.responses.create(model=MODEL, input="Twice the price of b?", tools=TOOLS, store=False)
+    call = next(i for i in r.output if i.type == "function_call")
+    items = [{"role": "user", "content": "Twice the price of b?"}, *[i.model_dump(exclude_none=True) for i in r.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": run_client_tool(call)}]
+    r = client.responses.create(model=MODEL, input=items, tools=TOOLS)
+    out = next(i for i in r.output if i.type == "program_output")
+    assert (out.status, out.result.strip()) == ("completed", "4.5")
+    assert r.output_text == "4.5"
+
+
+@pytest.mark.parametrize("code, why", [
+    ("await get_stock(sku=5)", "5 is not of type 'string'"),
+    ("await get_stock(item='a')", "'sku' is a required property"),
+    ("raise ValueError('no such shelf')", "no such shelf"),
+    ("while True:\n    pass", "time"),
+    ("text('x' * 100_000)", "output"),
+    ("def broken(:\n  pass", "SyntaxError"),
+])
+def test_a_failing_program_ends_incomplete_with_a_readable_error(ptc, code, why):
+    client, script, _ = ptc
+    script.turns[:] = [[("run_program", {"code": code})], "It did not work."]
+    r = client.responses.create(model=MODEL, input="go", tools=TOOLS)
+    assert r.status == "completed"
+    out = next(i for i in r.output if i.type == "program_output")
+    assert out.status == "incomplete"
+    error = (out.model_extra or {}).get("error") or ""
+    assert why.lower() in (error + out.result).lower(), (error, out.result)
+    assert r.output_text == "It did not work."
+    # the model was told
+    assert "did not complete" in script.bodies[-1]["messages"][-1]["content"]
+
+
+def test_a_schema_violation_can_be_caught_by_the_program(ptc):
+    client, script, _ = ptc
+    code = "try:\n    await get_stock(sku=5)\nexcept Exception as e:\n    text('caught:', type(e).__name__)"
+    script.turns[:] = [[("run_program", {"code": code})], "ok"]
+    r = client.responses.create(model=MODEL, input="go", tools=TOOLS)
+    out = next(i for i in r.output if i.type == "program_output")
+    assert out.status == "completed" and out.result.startswith("caught:"), out
+
+
+def test_a_parked_program_is_freed_after_its_timeout(ptc):
+    client, script, pool = ptc
+    script.turns[:] = [[("run_program", {"code": "text(await get_price(sku='a'))"})], "Gone."]
+    r = client.responses.create(model=MODEL, input="price of a?", tools=TOOLS)
+    call = next(i for i in r.output if i.type == "function_call")
+    parked = pool.parked[r.output[0].call_id]
+    pool.park_seconds, parked.deadline = 0.2, time.monotonic() + 0.2
+    deadline = time.monotonic() + 10
+    while pool.parked and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pool.park_seconds = 60
+    assert not pool.parked
+    while not parked.program.finished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert parked.program.finished
+    # its outputs arriving late end the program as incomplete, and the model goes on
+    r = client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": run_client_tool(call)}])
+    out = next(i for i in r.output if i.type == "program_output")
+    assert out.status == "incomplete" and "no longer running" in out.model_extra["error"]
+    assert r.output_text == "Gone."
+
+
+def test_deleting_the_response_frees_its_parked_program(ptc):
+    client, script, pool = ptc
+    script.turns[:] = [[("run_program", {"code": "text(await get_price(sku='a'))"})]]
+    r = client.responses.create(model=MODEL, input="price of a?", tools=TOOLS)
+    parked = pool.parked[r.output[0].call_id]
+    client.responses.delete(r.id)
+    assert r.output[0].call_id not in pool.parked
+    deadline = time.monotonic() + 10
+    while not parked.program.finished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert parked.program.finished
+
+
+def test_outputs_for_only_some_of_a_programs_calls_are_refused(ptc):
+    client, script, pool = ptc
+    script.turns[:] = [[("run_program", {"code": "await asyncio.gather(get_price(sku='a'), get_price(sku='b'))"})]]
+    r = client.responses.create(model=MODEL, input="go", tools=TOOLS)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS, input=[
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "{}"}])
+    assert calls[1].call_id in e.value.body["message"]
+    assert r.output[0].call_id in pool.parked  # still waiting for both
+    client.responses.delete(r.id)
+
+
+def test_streamed_program_turn(ptc):
+    client, script, _ = ptc
+    script.turns[:] = [[("run_program", {"code": "text(sum([1, 2, 3]))"})], "Six."]
+    with client.responses.stream(model=MODEL, input="sum 1..3", tools=TOOLS) as stream:
+        events = [e for e in stream]
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["program", "program_output", "message"]
+    assert [i.type for i in final.output] == ["program", "program_output", "message"]
+    assert final.output[1].result.strip() == "6"

@@ -1,0 +1,215 @@
+"""`/v1/responses` against the `openai` SDK's types, on the bundled model (greedy) and on a scripted
+one where the test must see what the model was sent."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.agents.scripted import ScriptedChat
+from tests.serving import start_server
+from wafer.agents.responses import ResponsesService
+from wafer.agents.store import ResponseStore
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def real(smollm, tmp_path_factory):
+    db = tmp_path_factory.mktemp("state") / "state.db"
+    server = start_server(smollm, names=[MODEL], state_db=db)
+    yield server, openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120), db
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def scripted(smollm, tmp_path_factory):
+    script = ScriptedChat([])
+    service = ResponsesService(script, ResponseStore(tmp_path_factory.mktemp("state") / "state.db"))
+    server = start_server(smollm, names=[MODEL], responses=service)
+    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60), script
+    server.stop()
+
+
+def test_a_response_and_its_usage(real):
+    _, client, _ = real
+    r = client.responses.create(model=MODEL, input="What is the capital of Japan?", temperature=0,
+                                max_output_tokens=40)
+    assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
+    assert "Tokyo" in r.output_text
+    assert [i.type for i in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert r.usage.input_tokens > 5 and 0 < r.usage.output_tokens <= 40
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+
+
+def test_streamed_events_in_order_add_up_to_the_response(real):
+    _, client, _ = real
+    with client.responses.stream(model=MODEL, input="Name three colours, in one short sentence.", temperature=0,
+                                 max_output_tokens=300) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text and text == final.output_text
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+def test_max_output_tokens_makes_it_incomplete(real):
+    _, client, _ = real
+    r = client.responses.create(model=MODEL, input="Write a long story about a cat.", max_output_tokens=5)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5
+
+
+def test_previous_response_id_carries_the_conversation_across_a_restart(smollm, real, tmp_path):
+    _, client, db = real
+    first = client.responses.create(model=MODEL, input="My name is Ada. Remember it.", temperature=0,
+                                    max_output_tokens=30)
+    server = start_server(smollm, names=[MODEL], state_db=db)  # a second server on the same store...
+    try:
+        again = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        second = again.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                        temperature=0, max_output_tokens=30)
+    finally:
+        server.stop()
+    # ... read the first turn back: its input and output are in the second's prompt
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.previous_response_id == first.id
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in items.data] == ["message"]
+    assert items.data[0].content[0].text == "What is my name?"
+
+
+def test_store_false_keeps_nothing(real):
+    _, client, _ = real
+    r = client.responses.create(model=MODEL, input="hi", store=False, max_output_tokens=5)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="again", previous_response_id=r.id, max_output_tokens=5)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_delete_and_input_items(real):
+    _, client, _ = real
+    r = client.responses.create(model=MODEL, max_output_tokens=5, input=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": [{"type": "input_text", "text": "two"}]}])
+    page = client.responses.input_items.list(r.id, limit=2, order="asc")
+    assert [i.role for i in page.data] == ["developer", "user"] and page.has_more
+    rest = client.responses.input_items.list(r.id, after=page.data[-1].id, order="asc")
+    assert [i.role for i in rest.data] == ["assistant", "user"] and not rest.has_more
+    newest = client.responses.input_items.list(r.id, limit=1)
+    assert newest.data[0].content[0].text == "two"
+    client.responses.delete(r.id)
+    for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
+                 lambda: client.responses.input_items.list(r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "response_not_found"
+
+
+def test_a_json_schema_answer(real):
+    _, client, _ = real
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="The capital of Japan, as JSON.", temperature=0, max_output_tokens=60,
+                                text={"format": {"type": "json_schema", "name": "place", "schema": schema,
+                                                 "strict": True}})
+    assert set(json.loads(r.output_text)) == {"city", "country"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi"}, "model"),
+    ({"model": MODEL, "input": [{"type": "bogus"}]}, "input[0].type"),
+    ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"model": MODEL, "input": "hi", "tools": [WEATHER, WEATHER]}, "tools[1].name"),
+    ({"model": MODEL, "input": "hi", "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
+     "tool_choice"),
+    ({"model": MODEL, "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": MODEL, "input": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "input": "hi", "previous_response_id": "resp_nothing"}, "previous_response_id"),
+    ({"model": MODEL, "input": [{"type": "item_reference", "id": "msg_nothing"}]}, "input[0].id"),
+    ({"model": MODEL}, "input"),
+])
+def test_bad_requests_are_openai_shaped_400s(real, body, param):
+    server, _, _ = real
+    r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+
+
+def test_unknown_model_and_too_long_input(real):
+    _, client, _ = real
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no-such-model", input="hi")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="word " * 5000)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_function_tools_across_turns(scripted):
+    client, script = scripted
+    script.bodies.clear()
+    script.turns[:] = [[("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})],
+                       "Paris is sunny and Rome is rainy.", "You asked about Paris and Rome."]
+    r = client.responses.create(model=MODEL, input="Weather in Paris and Rome?", tools=[WEATHER],
+                                instructions="Use tools.")
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"] and r.output_text == ""
+    assert all(c.caller is None for c in calls)
+    r = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[WEATHER], input=[
+        {"type": "function_call_output", "call_id": c.call_id, "output": w}
+        for c, w in zip(calls, ["sunny", "rainy"])])
+    assert r.output_text == "Paris is sunny and Rome is rainy."
+    sent = script.bodies[1]["messages"]
+    # instructions do not carry over to the next response (as OpenAI's); the calls are one assistant turn
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool", "tool"]
+    assert [c["function"]["name"] for c in sent[1]["tool_calls"]] == ["get_weather", "get_weather"]
+    assert [m["content"] for m in sent[2:]] == ["sunny", "rainy"]
+    assert script.bodies[1]["tools"][0]["function"]["name"] == "get_weather"
+    # the same conversation, sent as items instead of a previous_response_id
+    items = [{"role": "user", "content": "Weather in Paris and Rome?"}, *[c.model_dump(exclude_none=True) for c in calls],
+             *[{"type": "function_call_output", "call_id": c.call_id, "output": w}
+               for c, w in zip(calls, ["sunny", "rainy"])],
+             *[i.model_dump(exclude_none=True) for i in r.output], {"role": "user", "content": "Which cities?"}]
+    r = client.responses.create(model=MODEL, input=items, tools=[WEATHER])
+    assert r.output_text == "You asked about Paris and Rome."
+    assert [m["role"] for m in script.bodies[2]["messages"]] == ["user", "assistant", "tool", "tool", "assistant",
+                                                                 "user"]
+
+
+def test_streamed_function_calls(scripted):
+    client, script = scripted
+    script.turns[:] = [[("get_weather", {"city": "Oslo"})]]
+    with client.responses.stream(model=MODEL, input="Oslo?", tools=[WEATHER]) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    done = events[4]
+    assert done.name == "get_weather" and json.loads(done.arguments) == {"city": "Oslo"}
+
+
+def test_a_real_model_calls_a_tool(real):
+    _, client, _ = real
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                                tool_choice="required", temperature=0, max_output_tokens=80)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)

@@ -1,0 +1,465 @@
+"""The Responses API over a chat backend: a response is one or more model turns, with the
+programs they write run in the sandbox between turns, streamed as the API's typed events.
+
+A response ends when the model answers in text, calls the client's tools, or a program waits on
+the client's tools (it stays parked and resumes when a later request brings the outputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from wafer.agents.backend import ChatBackend
+from wafer.agents.items import PROGRAM_TOOL, ResponseRequest, chat_messages, input_items, new_id
+from wafer.agents.program import Program, ProgramResult, ToolSpec
+from wafer.agents.ptc import Parked, ProgramPool, program_code, program_tool
+from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox
+from wafer.agents.store import ResponseStore
+from wafer.errors import APIError, bad_request
+
+log = logging.getLogger("wafer.agents")
+
+MAX_TURNS = 16  # model turns in one response (each program that ends gives the model another)
+
+
+def _not_found(rid: str) -> APIError:
+    return APIError(404, f"No response found with id '{rid}'.", "invalid_request_error", "response_id",
+                    "response_not_found")
+
+
+@dataclass
+class Plan:
+    """A validated request: what the model turns need, and what the response echoes."""
+
+    req: ResponseRequest
+    rid: str
+    created_at: int
+    history: list[dict[str, Any]]  # earlier responses' input and output items, oldest first
+    new_items: list[dict[str, Any]]
+    chat_tools: list[dict[str, Any]]
+    programmatic: list[dict[str, Any]]  # function tools a program may call
+    ptc: bool
+    tool_choice: str | dict[str, Any]
+    response_format: dict[str, Any] | None
+    resume: Parked | None = None
+    running: list[Program] = field(default_factory=list)  # programs of this response not yet parked or ended
+    failure: APIError | None = None  # why the response failed, for an HTTP error when it was not streamed
+    output: list[dict[str, Any]] = field(default_factory=list)
+    usage: dict[str, int] = field(default_factory=lambda: {"input": 0, "cached": 0, "output": 0})
+    accounting: dict[str, Any] = field(default_factory=lambda: {
+        "turns": [], "tool_calls": {"direct": 0, "programmatic": 0}, "programs": []})
+
+
+class _Events:
+    """The response's event stream: numbered events, and the items of `output` as they change."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.n, **fields}
+        self.n += 1
+        return event
+
+
+class ResponsesService:
+    def __init__(self, backend: ChatBackend, store: ResponseStore, pool: ProgramPool | None = None,
+                 limits: Limits | None = None) -> None:
+        self.backend = backend
+        self.store = store
+        self.pool = pool or ProgramPool()
+        self.limits = limits or Limits()
+
+    # --- reading back ------------------------------------------------------------------------
+    async def get(self, rid: str) -> dict[str, Any]:
+        found = await asyncio.to_thread(self.store.get, rid)
+        if found is None:
+            raise _not_found(rid)
+        return found[0]
+
+    async def delete(self, rid: str) -> dict[str, Any]:
+        if not await asyncio.to_thread(self.store.delete, rid):
+            raise _not_found(rid)
+        self.pool.drop_response(rid)
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    async def input_items(self, rid: str, after: str | None, limit: int, order: str) -> dict[str, Any]:
+        found = await asyncio.to_thread(self.store.get, rid)
+        if found is None:
+            raise _not_found(rid)
+        items = found[1] if order == "asc" else found[1][::-1]
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            if after not in ids:
+                raise bad_request(f"No input item with id '{after}' in response '{rid}'.", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+                "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit}
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    # --- creating ----------------------------------------------------------------------------
+    async def plan(self, req: ResponseRequest) -> Plan:
+        """Every check that can fail before generation starts, so that it fails as an HTTP error."""
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            chain = await asyncio.to_thread(self.store.chain, req.previous_response_id)
+            if not chain:
+                raise bad_request(f"Previous response with id '{req.previous_response_id}' not found.",
+                                  "previous_response_id", "previous_response_not_found")
+            for response, inputs, _ in chain:
+                history += inputs + response["output"]
+        new = input_items(req.input)
+        known = {i.get("id"): i for i in history + new if i.get("type") != "item_reference"}
+        for i, item in enumerate(new):
+            if item["type"] == "item_reference":
+                if item["id"] not in known:
+                    raise bad_request(f"Item with id '{item['id']}' not found.", f"input[{i}].id")
+                new[i] = known[item["id"]]
+        if not history and not new:
+            raise bad_request("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+        chat_tools, programmatic, ptc = self._tools(req)
+        outputs = {i["call_id"] for i in new if i["type"] == "function_call_output"}
+        plan = Plan(req, new_id("resp"), int(time.time()), history, new, chat_tools, programmatic, ptc,
+                    self._tool_choice(req, chat_tools), self._format(req))
+        plan.resume = self.pool.claim(outputs) if outputs else None
+        if plan.resume is not None:
+            missing = plan.resume.pending.keys() - outputs
+            if missing:
+                self.pool.park(plan.resume)  # not this request's to consume: back it goes
+                raise bad_request(f"The program {plan.resume.call_id} waits on the outputs of calls "
+                                  f"{', '.join(sorted(missing))}; send them all together.", "input")
+        return plan
+
+    def _tools(self, req: ResponseRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
+        chat: list[dict[str, Any]] = []
+        programmatic: list[dict[str, Any]] = []
+        ptc = False
+        names: set[str] = set()
+        for i, tool in enumerate(req.tools or []):
+            kind = tool.get("type")
+            if kind == "programmatic_tool_calling":
+                ptc = True
+                continue
+            if kind != "function":
+                raise bad_request(f"Tools of type {kind!r} are not supported by this server (function and "
+                                  "programmatic_tool_calling are).", f"tools[{i}].type", "unsupported_tool")
+            name = tool.get("name")
+            if not isinstance(name, str) or not name or name == PROGRAM_TOOL or name in names:
+                raise bad_request(f"Invalid value for 'tools[{i}].name': tool names must be unique strings other "
+                                  f"than {PROGRAM_TOOL!r}.", f"tools[{i}].name")
+            names.add(name)
+            callers = tool.get("allowed_callers") or ["direct"]
+            if not isinstance(callers, list) or not set(callers) <= {"direct", "programmatic"}:
+                raise bad_request("allowed_callers lists 'direct' and/or 'programmatic'.",
+                                  f"tools[{i}].allowed_callers")
+            fn = {"name": name, "description": tool.get("description"), "parameters": tool.get("parameters") or
+                  {"type": "object", "properties": {}}}
+            if "direct" in callers:
+                chat.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+            if "programmatic" in callers:
+                programmatic.append(fn)
+        if ptc:
+            reason = check_sandbox()
+            if reason is not None:
+                raise APIError(400, f"Programmatic tool calling is not available on this server: {reason}",
+                               "invalid_request_error", "tools", "sandbox_unavailable")
+            if not programmatic:
+                raise bad_request("programmatic_tool_calling needs at least one function tool with "
+                                  "allowed_callers including 'programmatic'.", "tools")
+            chat.append(program_tool(programmatic))
+        return chat, programmatic, ptc
+
+    def _tool_choice(self, req: ResponseRequest, chat_tools: list[dict[str, Any]]) -> str | dict[str, Any]:
+        choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if isinstance(choice, dict):
+            kind = choice.get("type")
+            name = PROGRAM_TOOL if kind == "programmatic_tool_calling" else choice.get("name")
+            if kind not in ("function", "programmatic_tool_calling") or \
+                    name not in [t["function"]["name"] for t in chat_tools]:
+                raise bad_request("tool_choice names a tool that is not in tools.", "tool_choice")
+            return {"type": "function", "function": {"name": name}}
+        if choice == "required" and not chat_tools:
+            raise bad_request("tool_choice 'required' needs tools.", "tool_choice")
+        return choice
+
+    def _format(self, req: ResponseRequest) -> dict[str, Any] | None:
+        fmt = req.text.format if req.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        if fmt.schema_ is None:
+            raise bad_request("Missing required parameter: 'text.format.schema'.", "text.format.schema")
+        return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                       "strict": fmt.strict}}
+
+    def response(self, plan: Plan, status: str, error: dict[str, Any] | None = None,
+                 incomplete: str | None = None) -> dict[str, Any]:
+        req = plan.req
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else \
+            {"type": "text"}
+        u = plan.usage
+        return {
+            "id": plan.rid, "object": "response", "created_at": plan.created_at, "status": status,
+            "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
+            "output": plan.output, "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "store": req.store, "temperature": req.temperature, "text": {"format": fmt},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
+            "usage": {"input_tokens": u["input"], "input_tokens_details": {"cached_tokens": u["cached"]},
+                      "output_tokens": u["output"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": u["input"] + u["output"]} if status != "in_progress" else None,
+            "user": req.user, "metadata": req.metadata or {},
+        }
+
+    async def run(self, plan: Plan) -> AsyncIterator[dict[str, Any]]:
+        """The response's events, from `response.created` to `response.completed` (or `.incomplete`,
+        or an `error` and `response.failed`); stored at the end when the request asks for it."""
+        ev = _Events()
+        yield ev("response.created", response=self.response(plan, "in_progress"))
+        yield ev("response.in_progress", response=self.response(plan, "in_progress"))
+        status, error, incomplete = "completed", None, None
+        try:
+            async for event in self._turns(plan, ev):
+                if event["type"] == "incomplete":
+                    status, incomplete = "incomplete", event["reason"]
+                    continue
+                yield event
+        except APIError as e:
+            plan.failure = e
+            status, error = "failed", {"code": e.code or "server_error", "message": e.message}
+            yield ev("error", code=e.code, message=e.message, param=e.param)
+        finally:
+            for program in plan.running:  # started here and not parked: a response cut short frees them
+                await program.kill()
+        final = self.response(plan, status, error, incomplete)
+        if plan.req.store:
+            await asyncio.to_thread(self.store.put, final, plan.new_items, plan.accounting)
+        yield ev({"completed": "response.completed", "failed": "response.failed",
+                  "incomplete": "response.incomplete"}[status], response=final)
+
+    async def _turns(self, plan: Plan, ev: _Events) -> AsyncIterator[dict[str, Any]]:
+        if plan.resume is not None:
+            parked = plan.resume
+            outputs = {i["call_id"]: i["output"] for i in plan.new_items if i["type"] == "function_call_output"}
+            plan.running.append(parked.program)
+            await parked.program.resume({k: outputs[k] for k in parked.pending})
+            async for event in self._advance(plan, ev, parked.program, parked.call_id, parked.started,
+                                             parked.run_seconds):
+                yield event
+            if _waiting(plan):
+                return
+        else:
+            async for event in self._orphaned_programs(plan, ev):
+                yield event
+        for _ in range(MAX_TURNS):
+            calls: list[dict[str, Any]] = []
+            async for event in self._model_turn(plan, ev, calls):
+                yield event
+            direct = [c for c in calls if not (plan.ptc and c["name"] == PROGRAM_TOOL)]
+            if direct or not calls or _waiting(plan):
+                return  # an answer, the client's tools to run, or a program waiting on them
+        yield {"type": "incomplete", "reason": "max_turns"}
+
+    async def _orphaned_programs(self, plan: Plan, ev: _Events) -> AsyncIterator[dict[str, Any]]:
+        """Outputs for a program's calls with no program waiting (it timed out, or the server restarted):
+        the program ends incomplete, so the model hears of it instead of the turn failing."""
+        everything = plan.history + plan.new_items
+        owed = {i["call_id"]: i for i in everything if i["type"] == "function_call"
+                and (i.get("caller") or {}).get("type") == "program"}
+        done = {i["call_id"] for i in everything if i["type"] == "program_output"}
+        for item in plan.new_items:
+            call = owed.get(item["call_id"]) if item["type"] == "function_call_output" else None
+            if call is None or call["caller"]["caller_id"] in done:
+                continue
+            done.add(call["caller"]["caller_id"])
+            out = {"id": new_id("progout"), "type": "program_output", "call_id": call["caller"]["caller_id"],
+                   "result": "", "status": "incomplete", "error": "The program is no longer running (it waited "
+                   f"longer than {self.pool.park_seconds:g} s for tool outputs, or the server restarted)."}
+            plan.output.append(out)
+            yield ev("response.output_item.added", output_index=len(plan.output) - 1, item=out)
+            yield ev("response.output_item.done", output_index=len(plan.output) - 1, item=out)
+
+    def _chat_body(self, plan: Plan) -> dict[str, Any]:
+        req = plan.req
+        body: dict[str, Any] = {"model": req.model, "messages": chat_messages(
+            req.instructions, plan.history + plan.new_items + plan.output)}
+        if plan.chat_tools and plan.tool_choice != "none":
+            body.update(tools=plan.chat_tools, tool_choice=plan.tool_choice,
+                        parallel_tool_calls=req.parallel_tool_calls)
+        if plan.response_format is not None:
+            body["response_format"] = plan.response_format
+        if req.max_output_tokens is not None:
+            left = req.max_output_tokens - plan.usage["output"]
+            if left < 1:
+                raise APIError(400, "max_output_tokens was spent before the response was complete.",
+                               "invalid_request_error", "max_output_tokens", "max_output_tokens")
+            body["max_completion_tokens"] = left
+        for key in ("temperature", "top_p", "user"):
+            if getattr(req, key) is not None:
+                body[key] = getattr(req, key)
+        if req.reasoning is not None and req.reasoning.effort is not None:
+            body["reasoning_effort"] = req.reasoning.effort
+        return body
+
+    async def _model_turn(self, plan: Plan, ev: _Events, calls: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        """One chat completion, streamed as a message item and function call (or program) items."""
+        started = time.monotonic()
+        message: dict[str, Any] | None = None
+        pending: dict[int, dict[str, Any]] = {}
+        finish = None
+        usage: dict[str, Any] = {}
+        async for chunk in self.backend.stream(self._chat_body(plan)):
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                if text:
+                    if message is None:
+                        message = {"id": new_id("msg"), "type": "message", "role": "assistant",
+                                   "status": "in_progress", "content": []}
+                        plan.output.append(message)
+                        yield ev("response.output_item.added", output_index=len(plan.output) - 1, item=dict(
+                            message, content=[]))
+                        message["content"].append({"type": "output_text", "text": "", "annotations": [],
+                                                   "logprobs": []})
+                        yield ev("response.content_part.added", item_id=message["id"],
+                                 output_index=len(plan.output) - 1, content_index=0,
+                                 part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                    message["content"][0]["text"] += text
+                    yield ev("response.output_text.delta", item_id=message["id"],
+                             output_index=plan.output.index(message), content_index=0, delta=text, logprobs=[])
+                for tc in delta.get("tool_calls") or []:
+                    call = pending.setdefault(tc.get("index", len(pending)), {"call_id": "", "name": "",
+                                                                               "arguments": ""})
+                    call["call_id"] = tc.get("id") or call["call_id"]
+                    fn = tc.get("function") or {}
+                    call["name"] += fn.get("name") or ""
+                    call["arguments"] += fn.get("arguments") or ""
+                finish = choice.get("finish_reason") or finish
+        if message is not None:
+            async for event in self._close_message(plan, ev, message):
+                yield event
+        u = {"input": usage.get("prompt_tokens", 0), "output": usage.get("completion_tokens", 0),
+             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+        for key, value in u.items():
+            plan.usage[key] += value
+        plan.accounting["turns"].append({"input_tokens": u["input"], "cached_tokens": u["cached"],
+                                         "output_tokens": u["output"],
+                                         "seconds": round(time.monotonic() - started, 4)})
+        for index in sorted(pending):
+            call = pending[index]
+            call["call_id"] = call["call_id"] or new_id("call")
+            calls.append(call)
+            if call["name"] == PROGRAM_TOOL and plan.ptc:
+                if any(c["name"] == PROGRAM_TOOL for c in calls[:-1]):
+                    log.info("a second program in one turn was dropped: %r", call["arguments"][:200])
+                    calls.pop()
+                    continue
+                async for event in self._program(plan, ev, call):
+                    yield event
+                continue
+            plan.accounting["tool_calls"]["direct"] += 1
+            async for event in self._function_call(plan, ev, call, None):
+                yield event
+        if finish == "length":
+            yield {"type": "incomplete", "reason": "max_output_tokens"}
+
+    async def _close_message(self, plan: Plan, ev: _Events, message: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        index = plan.output.index(message)
+        part = message["content"][0]
+        message["status"] = "completed"
+        yield ev("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
+                 text=part["text"], logprobs=[])
+        yield ev("response.content_part.done", item_id=message["id"], output_index=index, content_index=0, part=part)
+        yield ev("response.output_item.done", output_index=index, item=message)
+
+    async def _function_call(self, plan: Plan, ev: _Events, call: dict[str, Any],
+                             caller: dict[str, Any] | None) -> AsyncIterator[dict[str, Any]]:
+        item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "call_id": call["call_id"],
+                                "name": call["name"], "arguments": "", "status": "in_progress"}
+        if caller is not None:
+            item["caller"] = caller
+        plan.output.append(item)
+        index = len(plan.output) - 1
+        yield ev("response.output_item.added", output_index=index, item=dict(item))
+        item["arguments"] = call["arguments"]
+        yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                 delta=call["arguments"])
+        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                 name=call["name"], arguments=call["arguments"])
+        item["status"] = "completed"
+        yield ev("response.output_item.done", output_index=index, item=item)
+
+    async def _program(self, plan: Plan, ev: _Events, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        code = program_code(call["arguments"]) or ""
+        item = {"id": new_id("prog"), "type": "program", "call_id": call["call_id"], "code": code,
+                "fingerprint": hashlib.sha256(code.encode()).hexdigest()[:32]}
+        plan.output.append(item)
+        index = len(plan.output) - 1
+        yield ev("response.output_item.added", output_index=index, item=item)
+        yield ev("response.output_item.done", output_index=index, item=item)
+        started = time.monotonic()
+        try:
+            program = await Program.start(code, [ToolSpec(t["name"], t["parameters"]) for t in plan.programmatic],
+                                          self.limits)
+        except SandboxUnavailable as e:  # checked at plan time; the sandbox broke since
+            raise APIError(503, f"The program sandbox is not available: {e}", "server_error", None,
+                           "sandbox_unavailable") from None
+        plan.running.append(program)
+        async for event in self._advance(plan, ev, program, call["call_id"], started, 0.0):
+            yield event
+
+    async def _advance(self, plan: Plan, ev: _Events, program: Program, call_id: str, started: float,
+                       ran: float) -> AsyncIterator[dict[str, Any]]:
+        t0 = time.monotonic()
+        try:
+            result = await program.advance()
+        except BaseException:
+            await program.kill()
+            raise
+        ran += time.monotonic() - t0
+        if isinstance(result, ProgramResult):
+            plan.running.remove(program)
+            plan.accounting["programs"].append({"call_id": call_id, "status": result.status,
+                                                "seconds": round(ran, 4)})
+            out: dict[str, Any] = {"id": new_id("progout"), "type": "program_output", "call_id": call_id,
+                                   "result": result.result, "status": result.status}
+            if result.error:
+                out["error"] = result.error
+            plan.output.append(out)
+            index = len(plan.output) - 1
+            yield ev("response.output_item.added", output_index=index, item=out)
+            yield ev("response.output_item.done", output_index=index, item=out)
+            return
+        plan.accounting["tool_calls"]["programmatic"] += len(result)
+        for call in result:
+            async for event in self._function_call(plan, ev, {"call_id": call.call_id, "name": call.name,
+                                                              "arguments": call.arguments},
+                                                   {"type": "program", "caller_id": call_id}):
+                yield event
+        plan.running.remove(program)
+        self.pool.park(Parked(program, call_id, {c.call_id: c for c in result}, plan.rid, started, 0.0, ran))
+
+
+def _waiting(plan: Plan) -> bool:
+    """Whether the response ends on a program's calls, which the client owes outputs for."""
+    last = plan.output[-1] if plan.output else None
+    return last is not None and last["type"] == "function_call" and (last.get("caller") or {}).get("type") == "program"
+
+
+def sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"

@@ -1,0 +1,76 @@
+"""The agents' model turns through the server's own chat-completions path: routing, templates, tool
+grammars and sampling defaults are those of `/v1/chat/completions`, with no HTTP in between."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.types import Message
+
+from wafer.errors import APIError, server_error
+
+Answer = Callable[[str, Any, Request], Awaitable[Response]]
+
+
+def _request(body: dict[str, Any]) -> Request:
+    """A request as the chat handler reads it: the body, then no disconnect until cancelled (the
+    agent's own request owns the connection and cancels its turns when its client goes)."""
+    raw = json.dumps(body).encode()
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
+    return Request(scope, receive)
+
+
+def _error(status: int, payload: Any) -> APIError:
+    err = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return APIError(status, err["message"], err.get("type") or "server_error", err.get("param"), err.get("code"))
+    return server_error(f"The model's backend answered {status}: {str(payload)[:200]}")
+
+
+class InProcessChat:
+    """`wafer.agents.backend.ChatBackend` over the app's `answer`."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        response = await self.answer("chat", body, _request(body))
+        iterator = getattr(response, "body_iterator", None)
+        if iterator is None:  # a JSON reply to a streamed request is an error (an upstream's, say)
+            raw = bytes(response.body)
+            raise _error(response.status_code, json.loads(raw) if raw else None)
+        buffer = ""
+        try:
+            async for piece in iterator:
+                buffer += piece if isinstance(piece, str) else piece.decode()
+                *events, buffer = buffer.split("\n\n")
+                for event in events:
+                    data = "".join(line[5:].strip() for line in event.split("\n") if line.startswith("data:"))
+                    if not data:
+                        continue  # a ping
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise _error(500, chunk)
+                    yield chunk
+        finally:
+            close = getattr(iterator, "aclose", None)
+            if close is not None:
+                await close()  # aborts the sequences of a turn left early

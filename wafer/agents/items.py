@@ -63,6 +63,7 @@ class ResponseRequest(_Body):
     stream: Annotated[bool, Field(strict=True)] = False
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)] | None = None  # wafer's, as on chat
 
 
 def input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

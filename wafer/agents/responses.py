@@ -223,6 +223,8 @@ class ResponsesService:
                       "output_tokens": u["output"], "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": u["input"] + u["output"]} if status != "in_progress" else None,
             "user": req.user, "metadata": req.metadata or {},
+            # wafer's own: the model turns, tool calls and program runs behind this response
+            "accounting": plan.accounting,
         }
 
     async def run(self, plan: Plan) -> AsyncIterator[dict[str, Any]]:
@@ -308,7 +310,7 @@ class ResponsesService:
                 raise APIError(400, "max_output_tokens was spent before the response was complete.",
                                "invalid_request_error", "max_output_tokens", "max_output_tokens")
             body["max_completion_tokens"] = left
-        for key in ("temperature", "top_p", "user"):
+        for key in ("temperature", "top_p", "user", "seed"):
             if getattr(req, key) is not None:
                 body[key] = getattr(req, key)
         if req.reasoning is not None and req.reasoning.effort is not None:

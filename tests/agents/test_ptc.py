@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -205,3 +206,28 @@ def test_streamed_program_turn(ptc):
     assert added == ["program", "program_output", "message"]
     assert [i.type for i in final.output] == ["program", "program_output", "message"]
     assert final.output[1].result.strip() == "6"
+
+
+def test_metrics_count_responses_by_mode(ptc):
+    client, script, _ = ptc
+    base = str(client.base_url).removesuffix("/v1/")
+
+    def sample(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    before = httpx.get(base + "/metrics").text
+    script.turns[:] = [[("run_program", {"code": "text(await get_price(sku='a'))"})]]
+    r = client.responses.create(model=MODEL, input="price of a?", tools=TOOLS)
+    call = next(i for i in r.output if i.type == "function_call")
+    script.turns[:] = ["1.5"]
+    client.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": run_client_tool(call)}])
+    after = httpx.get(base + "/metrics").text
+    key = 'wafer:agent_responses_total{mode="programmatic",status="completed"}'
+    assert sample(after, key) - sample(before, key) == 2
+    key = 'wafer:agent_tool_calls_total{caller="programmatic"}'
+    assert sample(after, key) - sample(before, key) == 1
+    key = 'wafer:agent_model_turns_total{mode="programmatic"}'
+    assert sample(after, key) - sample(before, key) == 2
+    data = httpx.get(base + "/dashboard/data").json()["agents"]
+    assert data["programmatic"]["responses"] >= 2 and data["programmatic"]["tokens_read"] > 0

@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,8 @@ class _Events:
 class ResponsesService:
     def __init__(self, backend: ChatBackend, store: ResponseStore, pool: ProgramPool | None = None,
                  limits: Limits | None = None) -> None:
+        # Called with every finished response (the server counts them in its metrics).
+        self.on_finish: list[Callable[[dict[str, Any]], None]] = []
         self.backend = backend
         self.store = store
         self.pool = pool or ProgramPool()
@@ -248,6 +250,8 @@ class ResponsesService:
             for program in plan.running:  # started here and not parked: a response cut short frees them
                 await program.kill()
         final = self.response(plan, status, error, incomplete)
+        for hook in self.on_finish:
+            hook(final)
         if plan.req.store:
             await asyncio.to_thread(self.store.put, final, plan.new_items, plan.accounting)
         yield ev({"completed": "response.completed", "failed": "response.failed",

@@ -183,10 +183,13 @@ def create_app(
     metrics.loop_monitor = monitor  # type: ignore[attr-defined]
 
     agents: list[ResponsesService] = [responses] if responses is not None else []
+    if responses is not None:
+        responses.on_finish.append(metrics.agent_response)
 
     def responses_service() -> ResponsesService:
         if not agents:  # the store's file is made on the first use of the Responses API, not at start
             agents.append(ResponsesService(InProcessChat(answer), ResponseStore(state_db)))
+            agents[0].on_finish.append(metrics.agent_response)
         return agents[0]
 
     @asynccontextmanager

@@ -120,6 +120,18 @@ class ServerMetrics:
                               ["rule", "tier"], registry=r)
         self.fallbacks = Counter("wafer:upstream_fallbacks", "Targets skipped because they could not answer.",
                                  ["target"], registry=r)
+        # /v1/responses, by mode: "programmatic" when a program ran for the response, else "direct"
+        self.agent_responses = Counter("wafer:agent_responses", "Responses of /v1/responses by mode and status.",
+                                       ["mode", "status"], registry=r)
+        self.agent_tokens = Counter("wafer:agent_tokens", "Tokens the model read (input) and wrote (output) for "
+                                    "/v1/responses, by mode.", ["mode", "direction"], registry=r)
+        self.agent_turns = Counter("wafer:agent_model_turns", "Model turns behind /v1/responses, by mode.", ["mode"],
+                                   registry=r)
+        self.agent_tool_calls = Counter("wafer:agent_tool_calls", "Tool calls by their caller: the model (direct) "
+                                        "or a program (programmatic).", ["caller"], registry=r)
+        self.agent_programs = Histogram("wafer:agent_program_seconds", "Running time of each program (not counting "
+                                        "time parked for tool outputs), by how it ended.", ["status"],
+                                        buckets=_LATENCY, registry=r)
         self.running = Gauge("wafer:num_requests_running", "Sequences in the running batch.", lbl, registry=r)
         self.waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
         self.kv = Gauge("wafer:kv_cache_usage_perc", "Fraction of KV-cache token capacity in use (0 to 1).", lbl,
@@ -145,8 +157,36 @@ class ServerMetrics:
     def request(self, model: str) -> RequestTimer:
         return RequestTimer(self, model)
 
+    def agent_response(self, response: dict[str, Any]) -> None:
+        """Counts a finished /v1/responses response from its usage and accounting."""
+        acct = response.get("accounting") or {}
+        mode = "programmatic" if acct.get("programs") or (acct.get("tool_calls") or {}).get("programmatic") \
+            else "direct"
+        self.agent_responses.labels(mode, response["status"]).inc()
+        usage = response.get("usage") or {}
+        self.agent_tokens.labels(mode, "input").inc(usage.get("input_tokens", 0))
+        self.agent_tokens.labels(mode, "output").inc(usage.get("output_tokens", 0))
+        self.agent_turns.labels(mode).inc(len(acct.get("turns") or []))
+        for caller, n in (acct.get("tool_calls") or {}).items():
+            self.agent_tool_calls.labels(caller).inc(n)
+        for run in acct.get("programs") or []:
+            self.agent_programs.labels(run["status"]).observe(run["seconds"])
+
     def error(self, status: int, model: str = "") -> None:
         self.errors.labels(model, str(status)).inc()
+
+    def _agents(self) -> dict[str, dict[str, float]]:
+        """Per mode of /v1/responses: responses, tokens read and written, model turns."""
+        out: dict[str, dict[str, float]] = {}
+        for counter, key in ((self.agent_responses, "responses"), (self.agent_tokens, None),
+                             (self.agent_turns, "turns")):
+            for metric in counter.collect():
+                for s in metric.samples:
+                    if s.name.endswith("_total"):
+                        name = key or ("tokens_read" if s.labels["direction"] == "input" else "tokens_written")
+                        row = out.setdefault(s.labels["mode"], {})
+                        row[name] = row.get(name, 0) + s.value
+        return out
 
     def snapshot(self, window: float = 60.0) -> dict[str, Any]:
         """What the dashboard shows: totals, and percentiles over the last `window` seconds."""
@@ -170,6 +210,7 @@ class ServerMetrics:
             "generation_tokens_total": total(self.generation_tokens),
             "prompt_tokens_total": total(self.prompt_tokens),
             "requests_total": total(self.success),
+            "agents": self._agents(),
             "errors": errors,
             "running": sum(e.num_running for e in engines),
             "waiting": sum(e.num_waiting for e in engines),

@@ -109,6 +109,20 @@ async function tick() {
     document.getElementById("kv").textContent = (100 * d.kv_cache_usage).toFixed(1) + "%";
     document.getElementById("req").textContent = d.requests_total;
     document.getElementById("err").textContent = errors;
+    const modes = Object.keys(d.agents || {}).sort();
+    if (modes.length) {
+      const body = document.querySelector("#agents tbody");
+      body.replaceChildren(...modes.map((m) => {
+        const row = document.createElement("tr");
+        const a = d.agents[m];
+        [m, a.responses || 0, a.turns || 0, a.tokens_read || 0, a.tokens_written || 0].forEach((v) => {
+          const cell = document.createElement("td");
+          cell.textContent = v;
+          row.appendChild(cell);
+        });
+        return row;
+      }));
+    }
     push("tps", [tps]); push("ttft", [d.ttft_p50, d.ttft_p95]); push("e2e", [d.e2e_p50, d.e2e_p95]);
     push("rw", [d.running, d.waiting]); push("kv", [100 * d.kv_cache_usage]); push("err", [errors]);
     Object.keys(series).forEach(draw);

@@ -242,10 +242,16 @@ class ResponsesService:
                     status, incomplete = "incomplete", event["reason"]
                     continue
                 yield event
-        except APIError as e:
-            plan.failure = e
-            status, error = "failed", {"code": e.code or "server_error", "message": e.message}
-            yield ev("error", code=e.code, message=e.message, param=e.param)
+        except Exception as e:  # noqa: BLE001 - a failure of this response, not of the server
+            if isinstance(e, APIError):
+                failure = e
+            else:
+                log.exception("response %s failed", plan.rid)
+                failure = APIError(500, f"Internal error (response id {plan.rid}).", "server_error", None,
+                                   "internal_error")
+            plan.failure = failure
+            status, error = "failed", {"code": failure.code or "server_error", "message": failure.message}
+            yield ev("error", code=failure.code, message=failure.message, param=failure.param)
         finally:
             for program in plan.running:  # started here and not parked: a response cut short frees them
                 await program.kill()

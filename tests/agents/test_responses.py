@@ -30,7 +30,8 @@ def real(smollm, tmp_path_factory):
 @pytest.fixture(scope="module")
 def scripted(smollm, tmp_path_factory):
     script = ScriptedChat([])
-    service = ResponsesService(script, ResponseStore(tmp_path_factory.mktemp("state") / "state.db"))
+    service = ResponsesService(script, ResponseStore(tmp_path_factory.mktemp("state") / "state.db"),
+                               prices={MODEL: {"input": 2.0, "output": 10.0}})
     server = start_server(smollm, names=[MODEL], responses=service)
     yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60), script
     server.stop()
@@ -213,3 +214,24 @@ def test_a_real_model_calls_a_tool(real):
                                 tool_choice="required", temperature=0, max_output_tokens=80)
     calls = [i for i in r.output if i.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+
+
+def test_each_response_accounts_for_its_turns_and_the_task_so_far(scripted):
+    client, script = scripted
+    script.turns[:] = [[("get_weather", {"city": "Paris"})], "Sunny."]
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER])
+    call = first.output[0]
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    a1, a2 = first.model_extra["accounting"], second.model_extra["accounting"]
+    for a, r in ((a1, first), (a2, second)):
+        (turn,) = a["turns"]
+        assert (turn["input_tokens"], turn["output_tokens"]) == (r.usage.input_tokens, r.usage.output_tokens)
+        assert turn["model"] == MODEL
+        assert a["cost_usd"] == pytest.approx((2.0 * r.usage.input_tokens + 10.0 * r.usage.output_tokens) / 1e6)
+    assert a1["tool_calls"] == {"direct": 1, "programmatic": 0} and a2["tool_calls"]["direct"] == 0
+    task = a2["task"]
+    assert task["responses"] == 2 and task["model_turns"] == 2 and task["tool_calls"] == 1
+    assert task["input_tokens"] == first.usage.input_tokens + second.usage.input_tokens
+    assert task["cost_usd"] == pytest.approx(a1["cost_usd"] + a2["cost_usd"])
+    assert client.responses.retrieve(second.id).model_extra["accounting"]["task"] == task

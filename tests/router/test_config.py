@@ -56,6 +56,9 @@ tiers = { code = "sol" }
     ("[models.a]\nsampling = { temperature = 2.5 }", "temperature must be between 0 and 2"),
     ("[models.a]\nsampling = { top_k = 4.5 }", "top_k must be an integer"),
     ("[models.a]\nsampling = 0.7", "sampling must be a table"),
+    ("[models.a]\nprice = 3", "price must be a table of USD per million tokens"),
+    ("[models.a]\nprice = { input = -1 }", "price must be a table"),
+    ("[upstreams.u]\nbase_url = 'http://x/v1'\nprice = { in = 1 }", "upstream 'u': price must be a table"),
     ("[models.a]\n[routing]\ntiers = { code = 'mars' }", "mars"),
     ("[upstreams.u]\nmodel = 'x'", "base_url"),
     ("this is = not toml [", "invalid TOML"),
@@ -103,3 +106,9 @@ luna = "small"
     small, big = served["small"].engine.engine, served["big"].engine.engine
     assert isinstance(big.proposer, DraftModelProposer) and big.config.speculative.num_tokens == 3
     assert big.proposer.model is small.loaded.model  # luna's weights, not a second copy
+
+
+def test_prices_by_the_model_name_a_completion_carries(tmp_path):
+    cfg = load_config(write(tmp_path, "[models.a]\nprice = { input = 0.1, output = 0.4 }\n[models.b]\n"
+                            "[upstreams.u]\nbase_url = 'http://x/v1'\nmodel = 'big'\nprice = { output = 8 }"))
+    assert cfg.prices() == {"a": {"input": 0.1, "output": 0.4}, "big": {"output": 8.0}}

@@ -50,6 +50,8 @@ class Plan:
     response_format: dict[str, Any] | None
     resume: Parked | None = None
     running: list[Program] = field(default_factory=list)  # programs of this response not yet parked or ended
+    task_before: dict[str, Any] = field(default_factory=dict)  # the totals of the responses before it
+    started: float = field(default_factory=time.monotonic)
     failure: APIError | None = None  # why the response failed, for an HTTP error when it was not streamed
     output: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=lambda: {"input": 0, "cached": 0, "output": 0})
@@ -71,7 +73,9 @@ class _Events:
 
 class ResponsesService:
     def __init__(self, backend: ChatBackend, store: ResponseStore, pool: ProgramPool | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, prices: dict[str, dict[str, float]] | None = None) -> None:
+        # USD per million tokens, by the model name a turn's chunks carry: {"input": x, "output": y}
+        self.prices = prices or {}
         # Called with every finished response (the server counts them in its metrics).
         self.on_finish: list[Callable[[dict[str, Any]], None]] = []
         self.backend = backend
@@ -113,6 +117,7 @@ class ResponsesService:
     async def plan(self, req: ResponseRequest) -> Plan:
         """Every check that can fail before generation starts, so that it fails as an HTTP error."""
         history: list[dict[str, Any]] = []
+        task_before: dict[str, Any]
         if req.previous_response_id is not None:
             chain = await asyncio.to_thread(self.store.chain, req.previous_response_id)
             if not chain:
@@ -120,6 +125,9 @@ class ResponsesService:
                                   "previous_response_id", "previous_response_not_found")
             for response, inputs, _ in chain:
                 history += inputs + response["output"]
+            task_before = chain[-1][2].get("task") or {}
+        else:
+            task_before = {}
         new = input_items(req.input)
         known = {i.get("id"): i for i in history + new if i.get("type") != "item_reference"}
         for i, item in enumerate(new):
@@ -133,6 +141,7 @@ class ResponsesService:
         outputs = {i["call_id"] for i in new if i["type"] == "function_call_output"}
         plan = Plan(req, new_id("resp"), int(time.time()), history, new, chat_tools, programmatic, ptc,
                     self._tool_choice(req, chat_tools), self._format(req))
+        plan.task_before = task_before
         plan.resume = self.pool.claim(outputs) if outputs else None
         if plan.resume is not None:
             missing = plan.resume.pending.keys() - outputs
@@ -255,6 +264,7 @@ class ResponsesService:
         finally:
             for program in plan.running:  # started here and not parked: a response cut short frees them
                 await program.kill()
+        self._totals(plan)
         final = self.response(plan, status, error, incomplete)
         for hook in self.on_finish:
             hook(final)
@@ -262,6 +272,18 @@ class ResponsesService:
             await asyncio.to_thread(self.store.put, final, plan.new_items, plan.accounting)
         yield ev({"completed": "response.completed", "failed": "response.failed",
                   "incomplete": "response.incomplete"}[status], response=final)
+
+    def _totals(self, plan: Plan) -> None:
+        """This response's totals, and the task's: every response of its chain up to this one."""
+        a = plan.accounting
+        own = {"responses": 1, "model_turns": len(a["turns"]),
+               "input_tokens": sum(t["input_tokens"] for t in a["turns"]),
+               "output_tokens": sum(t["output_tokens"] for t in a["turns"]),
+               "tool_calls": sum(a["tool_calls"].values()), "program_runs": len(a["programs"]),
+               "seconds": round(time.monotonic() - plan.started, 4),
+               "cost_usd": round(sum(t["cost_usd"] for t in a["turns"]), 8)}
+        a["seconds"], a["cost_usd"] = own["seconds"], own["cost_usd"]
+        a["task"] = {k: round(v + plan.task_before.get(k, 0), 8) for k, v in own.items()}
 
     async def _turns(self, plan: Plan, ev: _Events) -> AsyncIterator[dict[str, Any]]:
         if plan.resume is not None:
@@ -334,8 +356,10 @@ class ResponsesService:
         pending: dict[int, dict[str, Any]] = {}
         finish = None
         usage: dict[str, Any] = {}
+        model = plan.req.model
         async for chunk in self.backend.stream(self._chat_body(plan)):
             usage = chunk.get("usage") or usage
+            model = chunk.get("model") or model
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
                 text = delta.get("content")
@@ -369,8 +393,10 @@ class ResponsesService:
              "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
         for key, value in u.items():
             plan.usage[key] += value
-        plan.accounting["turns"].append({"input_tokens": u["input"], "cached_tokens": u["cached"],
-                                         "output_tokens": u["output"],
+        price = self.prices.get(model) or {}
+        cost = (u["input"] * price.get("input", 0.0) + u["output"] * price.get("output", 0.0)) / 1e6
+        plan.accounting["turns"].append({"model": model, "input_tokens": u["input"], "cached_tokens": u["cached"],
+                                         "output_tokens": u["output"], "cost_usd": round(cost, 8),
                                          "seconds": round(time.monotonic() - started, 4)})
         for index in sorted(pending):
             call = pending[index]

@@ -9,6 +9,8 @@
     num_speculative_tokens = 5
     prefix_caching = true
 
+    price = {input = 0.05, output = 0.2}  # USD per million tokens: the agents' cost accounting
+
     [models.small.sampling]     # defaults for requests that leave them out, over the model's own
     temperature = 0.7           # (generation_config.json, GGUF metadata or its card: generation_defaults.py);
     top_p = 0.9                 # any of temperature, top_p, top_k, min_p, repetition_penalty
@@ -17,6 +19,7 @@
     base_url = "http://10.0.0.5:8000/v1"
     api_key_env = "CLOUD_API_KEY" # the key is read from this environment variable
     model = "big-model"         # the name sent upstream
+    price = {input = 1.25, output = 10.0}
 
     [tiers]
     sol = ["cloud", "small"]    # first target serves; the rest are fallbacks, in order
@@ -67,6 +70,7 @@ class LocalModelConfig:
     num_speculative_tokens: int = 5
     prefix_caching: bool = True
     sampling: dict[str, float] = field(default_factory=dict)  # over the model's own defaults
+    price: dict[str, float] = field(default_factory=dict)  # USD per million tokens, input and output
 
 
 # Per-model settings besides the integer engine options; the CLI's values are their defaults.
@@ -81,6 +85,7 @@ class UpstreamConfig:
     model: str
     api_key_env: str | None = None
     timeout: float = 120.0
+    price: dict[str, float] = field(default_factory=dict)
 
     @property
     def api_key(self) -> str | None:
@@ -108,6 +113,12 @@ class ServeConfig:
     aliases: dict[str, str]  # client name -> tier or model name
     routing: RoutingConfig
     memory_budget_gb: float | None = None
+
+    def prices(self) -> dict[str, dict[str, float]]:
+        """Prices by the model name a completion carries: a local model's name, an upstream's model."""
+        out = {u.model: u.price for u in self.upstreams.values() if u.price}
+        out.update({m.name: m.price for m in self.models.values() if m.price})
+        return out
 
     def check(self) -> None:
         targets = set(self.models) | set(self.upstreams)
@@ -201,13 +212,24 @@ def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: st
         raise ConfigError(f"{path}: invalid configuration ({e})") from None
 
 
+def _price(value: Any, where: str) -> dict[str, float]:
+    if value is None:
+        return {}
+    ok = isinstance(value, dict) and set(value) <= {"input", "output"} and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value.values())
+    if not ok:
+        raise ConfigError(f"{where}: price must be a table of USD per million tokens, e.g. "
+                          "price = {input = 0.15, output = 0.6}")
+    return {k: float(v) for k, v in value.items()}
+
+
 def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto",
            settings: dict[str, Any] | None = None) -> ServeConfig:
     models = {}
     for name, m in (raw.get("models") or {}).items():
         path = m.get("path", "bundled")
         opts = {**cli_options, **{k: int(v) for k, v in m.items() if k in ENGINE_OPTIONS}}
-        unknown = set(m) - {"path", "sampling", *MODEL_SETTINGS, *ENGINE_OPTIONS}
+        unknown = set(m) - {"path", "sampling", "price", *MODEL_SETTINGS, *ENGINE_OPTIONS}
         if unknown:
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
         if m.get("quant", quant) not in PATHS:
@@ -222,13 +244,13 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
         except ValueError as e:
             raise ConfigError(f"model {name!r}: sampling: {e}") from None
         models[name] = LocalModelConfig(name, None if path == "bundled" else str(path), opts, m.get("quant", quant),
-                                        **own, sampling=sampling)
+                                        **own, sampling=sampling, price=_price(m.get("price"), f"model {name!r}"))
     upstreams = {}
     for name, u in (raw.get("upstreams") or {}).items():
         if "base_url" not in u:
             raise ConfigError(f"upstream {name!r} needs base_url")
         upstreams[name] = UpstreamConfig(name, u["base_url"].rstrip("/"), u.get("model", name), u.get("api_key_env"),
-                                         float(u.get("timeout", 120.0)))
+                                         float(u.get("timeout", 120.0)), _price(u.get("price"), f"upstream {name!r}"))
     if not models and not upstreams:
         raise ConfigError("no [models] and no [upstreams]")
     first = next(iter(models or upstreams))

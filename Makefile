@@ -21,7 +21,15 @@ $(STAMP): pyproject.toml wafer/models/csrc/*
 	$(BIN)/wafer models install
 	touch $(STAMP)
 
-serve: $(STAMP)
+# Programmatic tool calling runs model-written programs in Debian's bubblewrap sandbox; without it
+# they are refused (never run unsandboxed). Install it where we can.
+BWRAP_STAMP := $(VENV)/.bwrap
+$(BWRAP_STAMP): $(STAMP)
+	command -v bwrap >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) \
+	  || echo "warning: bubblewrap could not be installed; programmatic tool calling will be refused and the sandbox tests skipped"
+	touch $(BWRAP_STAMP)
+
+serve: $(STAMP) $(BWRAP_STAMP)
 	$(BIN)/wafer serve
 
 chat: $(STAMP)
@@ -43,7 +51,7 @@ $(ARM_STAMP): $(STAMP)
 	  || echo "warning: no aarch64 cross compiler or qemu-user; the NEON kernel tests will be skipped"; fi
 	touch $(ARM_STAMP)
 
-test: $(STAMP) $(CHROMIUM_STAMP) $(ARM_STAMP)
+test: $(STAMP) $(CHROMIUM_STAMP) $(ARM_STAMP) $(BWRAP_STAMP)
 	$(BIN)/python -m pytest -q
 
 # llama-cpp-python is the baseline of the benches, built from source for this machine (about 5 minutes

@@ -1,0 +1,68 @@
+"""Runs a program to its end for the tests, answering its tool calls with a function of each call."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from wafer.agents.program import Program, ProgramResult, ToolCall, ToolSpec
+from wafer.agents.sandbox import Limits
+
+SMALL = Limits(cpu_seconds=2, wall_seconds=5, memory_bytes=256 * 2**20, processes=16, file_bytes=4 * 2**20,
+               output_bytes=64 * 1024, tmp_bytes=8 * 2**20)
+
+
+def drive(code: str, tools: Sequence[ToolSpec] = (), limits: Limits | None = SMALL,
+          answer: Callable[[ToolCall], str] = lambda c: "ok") -> tuple[ProgramResult, list[list[ToolCall]]]:
+    """The program's result and its pauses (each the list of calls advance() returned at once)."""
+
+    async def run() -> tuple[ProgramResult, list[list[ToolCall]]]:
+        program = await Program.start(code, list(tools), limits)
+        pauses: list[list[ToolCall]] = []
+        try:
+            while True:
+                r = await program.advance()
+                if isinstance(r, ProgramResult):
+                    return r, pauses
+                pauses.append(r)
+                await program.resume({c.call_id: answer(c) for c in r})
+        finally:
+            await program.kill()
+
+    return asyncio.run(run())
+
+
+def children(pid: int) -> set[int]:
+    """Every live descendant of pid, found through /proc."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: set[int], timeout: float = 3.0) -> set[int]:
+    """The pids still alive after timeout (the kernel tears a PID namespace down asynchronously)."""
+    end = time.monotonic() + timeout
+    while (left := {p for p in pids if alive(p)}) and time.monotonic() < end:
+        time.sleep(0.02)
+    return left
+

@@ -73,23 +73,31 @@ def test_max_output_tokens_makes_it_incomplete(real):
     assert r.usage.output_tokens == 5
 
 
-def test_previous_response_id_carries_the_conversation_across_a_restart(smollm, real, tmp_path):
-    _, client, db = real
-    first = client.responses.create(model=MODEL, input="My name is Ada. Remember it.", temperature=0,
-                                    max_output_tokens=30)
-    server = start_server(smollm, names=[MODEL], state_db=db)  # a second server on the same store...
-    try:
-        again = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        second = again.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
-                                        temperature=0, max_output_tokens=30)
-    finally:
-        server.stop()
-    # ... read the first turn back: its input and output are in the second's prompt
+def test_previous_response_id_carries_the_conversation_across_a_restart(smollm, tmp_path):
+    db = tmp_path / "state.db"
+
+    def turn(**kw):  # type: ignore[no-untyped-def]
+        server = start_server(smollm, names=[MODEL], state_db=db)  # a server of its own, stopped after
+        try:
+            c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+            return c.responses.create(model=MODEL, temperature=0, max_output_tokens=30, **kw), c
+        finally:
+            server.stop()
+
+    first, _ = turn(input="My name is Ada. Remember it.")
+    second, _ = turn(input="What is my name?", previous_response_id=first.id)
+    # The second server read the first turn back from the store: its input and output are in the prompt.
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.previous_response_id == first.id
-    items = client.responses.input_items.list(second.id, order="asc")
-    assert [i.type for i in items.data] == ["message"]
-    assert items.data[0].content[0].text == "What is my name?"
+    server = start_server(smollm, names=[MODEL], state_db=db)
+    try:
+        c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        items = c.responses.input_items.list(second.id, order="asc")
+        assert [i.type for i in items.data] == ["message"]
+        assert items.data[0].content[0].text == "What is my name?"
+        assert c.responses.retrieve(first.id).output_text == first.output_text
+    finally:
+        server.stop()
 
 
 def test_store_false_keeps_nothing(real):

@@ -16,7 +16,7 @@ from typing import Literal
 
 import jsonschema
 
-from wafer.agents.sandbox import Limits, SandboxUnavailable, rlimits, spawn
+from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox, rlimits, spawn
 
 RUNNER_SOURCE = (Path(__file__).parent / "program_runner.py").read_text()
 MAX_MESSAGE_BYTES = 1 << 20  # one protocol line from the runner: a tool call's arguments, an output chunk
@@ -89,8 +89,6 @@ class Program:
         for t in tools:
             if not t.name.isidentifier() or keyword.iskeyword(t.name) or t.name in RESERVED_NAMES:
                 raise ValueError(f"tool name {t.name!r} cannot be a Python function of the program")
-        from wafer.agents.sandbox import check_sandbox
-
         reason = await asyncio.to_thread(check_sandbox)
         if reason is not None:
             raise SandboxUnavailable(reason)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import glob
+import math
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 # The host uid the sandbox runs as when the server is root: RLIMIT_NPROC is never enforced for a
 # process whose real uid is host root (kernel/fork.c, INIT_USER), whatever uid it has inside its
@@ -140,13 +141,11 @@ async def spawn(args: list[str], limits: Limits, pass_fds: tuple[int, ...]) -> a
 def rlimits(limits: Limits) -> dict[str, int]:
     """What the runner sets on itself before it reads the program (inside the user namespace, so that
     RLIMIT_NPROC counts only the sandbox's processes)."""
-    d = asdict(limits)
     return {
-        "cpu": max(1, int(-(-d["cpu_seconds"] // 1))),
-        "memory": d["memory_bytes"],
-        # the runner and bwrap's own init in the PID namespace are two of them
-        "processes": d["processes"] + 2,
-        "file": d["file_bytes"],
+        "cpu": max(1, math.ceil(limits.cpu_seconds)),
+        "memory": limits.memory_bytes,
+        "processes": limits.processes + 2,  # bwrap's init in the PID namespace and the runner are two of them
+        "file": limits.file_bytes,
         "files": 64,
     }
 

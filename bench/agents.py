@@ -193,6 +193,10 @@ class CountingScript:
 
 
 # --- the agent loop, as a client runs it -------------------------------------------------------------
+INSTRUCTIONS = ("You are an agent with tools. Call the tools to get the data you need; do not explain how to "
+                "write code. When you have the result, answer in one short sentence.")
+
+
 def tools_for(task: Task, mode: str) -> list[dict[str, Any]]:
     if mode == "direct":
         return [TOOLS[t] for t in task.tools]
@@ -275,14 +279,15 @@ def main() -> None:
         for task in TASKS:
             for mode in ("direct", "ptc"):
                 try:
-                    m = run_task(client, loaded.name, task, mode, temperature=0, max_output_tokens=400)
+                    m = run_task(client, loaded.name, task, mode, temperature=0, max_output_tokens=400,
+                                 instructions=INSTRUCTIONS)
                 except openai.APIError as e:
                     why = " ".join(str(e).split())[:80]
                     m = {"read": 0, "wrote": 0, "turns": 0, "seconds": 0.0, "ok": False, "tool_calls": 0,
                          "answer": f"error: {why}", "program": "-"}
                 rows.append((task.name, mode, m))
         server.stop()
-        table(f"real model: {loaded.name} (tier {tier}), greedy", rows)
+        table(f"real model: {loaded.name} (tier {tier}), greedy, instructions: {INSTRUCTIONS!r}", rows)
 
 
 if __name__ == "__main__":

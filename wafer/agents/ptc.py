@@ -31,18 +31,25 @@ def _signature(tool: dict[str, Any]) -> str:
 
 def program_tool(tools: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat function through which the model writes a program over `tools` (Responses-style
-    function tools that allow the programmatic caller)."""
+    function tools that allow the programmatic caller). Small models need the example: without it
+    they put the data they expect into `code`, or define the tools themselves."""
     listing = "\n".join(_signature(t) for t in tools)
+    first = tools[0]
+    arg = next(iter((first.get("parameters") or {}).get("properties") or {}), None)
+    call = f"{first['name']}({arg}=value)" if arg else f"{first['name']}()"
+    example = (f"results = []\nfor value in [...]:\n    results.append(await {call})\n"
+               "print(len(results))")
     description = (
-        "Run a Python program that calls the functions below, with `await`, as many times as needed, in "
-        "loops, with asyncio.gather, filtering and handling errors in code. Only what the program passes to "
-        "text(...) or print(...) comes back to you, so print just the final, short result. Each function "
-        "returns the tool's result (parsed JSON where it is JSON, else a string). Write plain statements "
-        "at the top level; top-level await works.\n" + listing)
+        "Runs Python code that you write. These async functions are already defined in it; call them with "
+        "await:\n" + listing + "\nDo not define them yourself. In the code, call them as often as needed, with "
+        "loops, asyncio.gather, try/except and arithmetic. Each returns the tool's result (parsed JSON "
+        "where it is JSON, else a string). Only what the code prints comes back to you, so print just the "
+        "final, short result.\nExample of code:\n" + example)
     return {"type": "function", "function": {
         "name": PROGRAM_TOOL, "description": description,
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"],
-                       "additionalProperties": False}}}
+        "parameters": {"type": "object", "properties": {"code": {
+            "type": "string", "description": "Python statements (top-level await works) that call the functions "
+            "above and print the result"}}, "required": ["code"], "additionalProperties": False}}}
 
 
 def program_code(arguments: str) -> str | None:

@@ -300,6 +300,9 @@ class ResponsesService:
             async for event in self._orphaned_programs(plan, ev):
                 yield event
         for _ in range(MAX_TURNS):
+            if plan.req.max_output_tokens is not None and plan.usage["output"] >= plan.req.max_output_tokens:
+                yield {"type": "incomplete", "reason": "max_output_tokens"}  # spent by the turns before
+                return
             calls: list[dict[str, Any]] = []
             async for event in self._model_turn(plan, ev, calls):
                 yield event
@@ -337,11 +340,7 @@ class ResponsesService:
         if plan.response_format is not None:
             body["response_format"] = plan.response_format
         if req.max_output_tokens is not None:
-            left = req.max_output_tokens - plan.usage["output"]
-            if left < 1:
-                raise APIError(400, "max_output_tokens was spent before the response was complete.",
-                               "invalid_request_error", "max_output_tokens", "max_output_tokens")
-            body["max_completion_tokens"] = left
+            body["max_completion_tokens"] = req.max_output_tokens - plan.usage["output"]
         for key in ("temperature", "top_p", "user", "seed"):
             if getattr(req, key) is not None:
                 body[key] = getattr(req, key)

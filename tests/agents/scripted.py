@@ -21,14 +21,22 @@ def words(text: str) -> int:
 class ScriptedChat:
     turns: list[Turn | Callable[[dict[str, Any]], Turn]]
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    # When set, every turn is policy(body) (turns of agents running at once come in any order);
+    # an async policy may wait, to hold its turn open.
+    policy: Callable[[dict[str, Any]], Any] | None = None
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self.bodies.append(body)
-        if not self.turns:
-            raise AssertionError("the script has no turn left")
-        turn = self.turns.pop(0)
-        if callable(turn):
-            turn = turn(body)
+        if self.policy is not None:
+            turn = self.policy(body)
+            if hasattr(turn, "__await__"):
+                turn = await turn
+        else:
+            if not self.turns:
+                raise AssertionError("the script has no turn left")
+            turn = self.turns.pop(0)
+            if callable(turn):
+                turn = turn(body)
         head = {"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": body["model"]}
 

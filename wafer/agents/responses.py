@@ -13,15 +13,16 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from wafer.agents.backend import ChatBackend
 from wafer.agents.items import PROGRAM_TOOL, ResponseRequest, chat_messages, input_items, new_id
 from wafer.agents.program import Program, ProgramResult, ToolSpec
+from wafer.agents.plan import Events, Plan
 from wafer.agents.ptc import Parked, ProgramPool, program_code, program_tool
 from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox
 from wafer.agents.store import ResponseStore
+from wafer.agents.ultra import Ultra, resumable, settings
 from wafer.errors import APIError, bad_request
 
 log = logging.getLogger("wafer.agents")
@@ -34,43 +35,6 @@ def _not_found(rid: str) -> APIError:
                     "response_not_found")
 
 
-@dataclass
-class Plan:
-    """A validated request: what the model turns need, and what the response echoes."""
-
-    req: ResponseRequest
-    rid: str
-    created_at: int
-    history: list[dict[str, Any]]  # earlier responses' input and output items, oldest first
-    new_items: list[dict[str, Any]]
-    chat_tools: list[dict[str, Any]]
-    programmatic: list[dict[str, Any]]  # function tools a program may call
-    ptc: bool
-    tool_choice: str | dict[str, Any]
-    response_format: dict[str, Any] | None
-    resume: Parked | None = None
-    running: list[Program] = field(default_factory=list)  # programs of this response not yet parked or ended
-    task_before: dict[str, Any] = field(default_factory=dict)  # the totals of the responses before it
-    started: float = field(default_factory=time.monotonic)
-    failure: APIError | None = None  # why the response failed, for an HTTP error when it was not streamed
-    output: list[dict[str, Any]] = field(default_factory=list)
-    usage: dict[str, int] = field(default_factory=lambda: {"input": 0, "cached": 0, "output": 0})
-    accounting: dict[str, Any] = field(default_factory=lambda: {
-        "turns": [], "tool_calls": {"direct": 0, "programmatic": 0}, "programs": []})
-
-
-class _Events:
-    """The response's event stream: numbered events, and the items of `output` as they change."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.n, **fields}
-        self.n += 1
-        return event
-
-
 class ResponsesService:
     def __init__(self, backend: ChatBackend, store: ResponseStore, pool: ProgramPool | None = None,
                  limits: Limits | None = None, prices: dict[str, dict[str, float]] | None = None) -> None:
@@ -78,6 +42,7 @@ class ResponsesService:
         self.prices = prices or {}
         # Called with every finished response (the server counts them in its metrics).
         self.on_finish: list[Callable[[dict[str, Any]], None]] = []
+        self.active: dict[str, asyncio.Task[Any]] = {}  # responses being made, by id: what DELETE cancels
         self.backend = backend
         self.store = store
         self.pool = pool or ProgramPool()
@@ -91,7 +56,10 @@ class ResponsesService:
         return found[0]
 
     async def delete(self, rid: str) -> dict[str, Any]:
-        if not await asyncio.to_thread(self.store.delete, rid):
+        running = self.active.pop(rid, None)
+        if running is not None:  # still being made: cancelling it stops every agent and program of it
+            running.cancel()
+        if not await asyncio.to_thread(self.store.delete, rid) and running is None:
             raise _not_found(rid)
         self.pool.drop_response(rid)
         return {"id": rid, "object": "response.deleted", "deleted": True}
@@ -124,10 +92,16 @@ class ResponsesService:
                 raise bad_request(f"Previous response with id '{req.previous_response_id}' not found.",
                                   "previous_response_id", "previous_response_not_found")
             for response, inputs, _ in chain:
-                history += inputs + response["output"]
+                # An Ultra response's sub-agents worked for it: the conversation goes on from its root's items.
+                history += inputs + [i for i in response["output"] if i.get("agent", "root") == "root"]
             task_before = chain[-1][2].get("task") or {}
+            ultra_state = resumable(chain[-1][2])
         else:
-            task_before = {}
+            task_before, ultra_state = {}, None
+        model, ultra = settings(req, req.model)
+        if ultra_state is not None:
+            ultra = {"n": ultra_state["n"], "subagent_model": ultra_state["subagent_model"]}
+        req = req.model_copy(update={"model": model})
         new = input_items(req.input)
         known = {i.get("id"): i for i in history + new if i.get("type") != "item_reference"}
         for i, item in enumerate(new):
@@ -142,6 +116,9 @@ class ResponsesService:
         plan = Plan(req, new_id("resp"), int(time.time()), history, new, chat_tools, programmatic, ptc,
                     self._tool_choice(req, chat_tools), self._format(req))
         plan.task_before = task_before
+        plan.ultra, plan.ultra_state = ultra, ultra_state
+        if ultra_state is not None:
+            return plan  # the sub-agents claim their own parked programs
         plan.resume = self.pool.claim(outputs) if outputs else None
         if plan.resume is not None:
             missing = plan.resume.pending.keys() - outputs
@@ -241,12 +218,14 @@ class ResponsesService:
     async def run(self, plan: Plan) -> AsyncIterator[dict[str, Any]]:
         """The response's events, from `response.created` to `response.completed` (or `.incomplete`,
         or an `error` and `response.failed`); stored at the end when the request asks for it."""
-        ev = _Events()
+        ev = Events()
         yield ev("response.created", response=self.response(plan, "in_progress"))
         yield ev("response.in_progress", response=self.response(plan, "in_progress"))
         status, error, incomplete = "completed", None, None
+        self.active[plan.rid] = asyncio.current_task()  # type: ignore[assignment]
+        body = Ultra(self).run(plan, ev) if plan.ultra is not None else self._turns(plan, ev)
         try:
-            async for event in self._turns(plan, ev):
+            async for event in body:
                 if event["type"] == "incomplete":
                     status, incomplete = "incomplete", event["reason"]
                     continue
@@ -262,6 +241,7 @@ class ResponsesService:
             status, error = "failed", {"code": failure.code or "server_error", "message": failure.message}
             yield ev("error", code=failure.code, message=failure.message, param=failure.param)
         finally:
+            self.active.pop(plan.rid, None)
             for program in plan.running:  # started here and not parked: a response cut short frees them
                 await program.kill()
         self._totals(plan)
@@ -285,7 +265,7 @@ class ResponsesService:
         a["seconds"], a["cost_usd"] = own["seconds"], own["cost_usd"]
         a["task"] = {k: round(v + plan.task_before.get(k, 0), 8) for k, v in own.items()}
 
-    async def _turns(self, plan: Plan, ev: _Events) -> AsyncIterator[dict[str, Any]]:
+    async def _turns(self, plan: Plan, ev: Events) -> AsyncIterator[dict[str, Any]]:
         if plan.resume is not None:
             parked = plan.resume
             outputs = {i["call_id"]: i["output"] for i in plan.new_items if i["type"] == "function_call_output"}
@@ -311,7 +291,7 @@ class ResponsesService:
                 return  # an answer, the client's tools to run, or a program waiting on them
         yield {"type": "incomplete", "reason": "max_turns"}
 
-    async def _orphaned_programs(self, plan: Plan, ev: _Events) -> AsyncIterator[dict[str, Any]]:
+    async def _orphaned_programs(self, plan: Plan, ev: Events) -> AsyncIterator[dict[str, Any]]:
         """Outputs for a program's calls with no program waiting (it timed out, or the server restarted):
         the program ends incomplete, so the model hears of it instead of the turn failing."""
         everything = plan.history + plan.new_items
@@ -348,7 +328,7 @@ class ResponsesService:
             body["reasoning_effort"] = req.reasoning.effort
         return body
 
-    async def _model_turn(self, plan: Plan, ev: _Events, calls: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    async def _model_turn(self, plan: Plan, ev: Events, calls: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """One chat completion, streamed as a message item and function call (or program) items."""
         started = time.monotonic()
         message: dict[str, Any] | None = None
@@ -415,7 +395,7 @@ class ResponsesService:
         if finish == "length":
             yield {"type": "incomplete", "reason": "max_output_tokens"}
 
-    async def _close_message(self, plan: Plan, ev: _Events, message: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _close_message(self, plan: Plan, ev: Events, message: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         index = plan.output.index(message)
         part = message["content"][0]
         message["status"] = "completed"
@@ -424,7 +404,7 @@ class ResponsesService:
         yield ev("response.content_part.done", item_id=message["id"], output_index=index, content_index=0, part=part)
         yield ev("response.output_item.done", output_index=index, item=message)
 
-    async def _function_call(self, plan: Plan, ev: _Events, call: dict[str, Any],
+    async def _function_call(self, plan: Plan, ev: Events, call: dict[str, Any],
                              caller: dict[str, Any] | None) -> AsyncIterator[dict[str, Any]]:
         item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "call_id": call["call_id"],
                                 "name": call["name"], "arguments": "", "status": "in_progress"}
@@ -441,7 +421,7 @@ class ResponsesService:
         item["status"] = "completed"
         yield ev("response.output_item.done", output_index=index, item=item)
 
-    async def _program(self, plan: Plan, ev: _Events, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _program(self, plan: Plan, ev: Events, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         code = program_code(call["arguments"]) or ""
         item = {"id": new_id("prog"), "type": "program", "call_id": call["call_id"], "code": code,
                 "fingerprint": hashlib.sha256(code.encode()).hexdigest()[:32]}
@@ -460,7 +440,7 @@ class ResponsesService:
         async for event in self._advance(plan, ev, program, call["call_id"], started, 0.0):
             yield event
 
-    async def _advance(self, plan: Plan, ev: _Events, program: Program, call_id: str, started: float,
+    async def _advance(self, plan: Plan, ev: Events, program: Program, call_id: str, started: float,
                        ran: float) -> AsyncIterator[dict[str, Any]]:
         t0 = time.monotonic()
         try:

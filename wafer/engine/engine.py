@@ -52,6 +52,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     last_batch_size: int = 0  # sequences advanced by the most recent step
+    max_batch_size: int = 0  # the most sequences one step has advanced
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -157,6 +158,7 @@ class LLMEngine:
             return failed
         self.stats.steps += 1
         self.stats.last_batch_size = len(scheduled)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
         if len(scheduled) > 1:
             self.stats.batched_steps += 1
         plain: list[Sequence] = []

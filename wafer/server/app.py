@@ -207,6 +207,7 @@ def create_app(
     keys = list(api_keys or [])
     app.state.served = served_list
     app.state.router = router
+    app.state.agents = agents  # the Responses API's service, once made
     http = httpx.AsyncClient()
 
     @app.exception_handler(APIError)

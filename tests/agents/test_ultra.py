@@ -1,0 +1,217 @@
+"""Ultra through `/v1/responses`: a plan of N parts, N sub-agents at once, a synthesis; on a
+scripted model where the test must see the turns, and on the bundled model where the engine must
+batch the sub-agents together."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.agents.scripted import ScriptedChat
+from tests.serving import start_server
+from wafer.agents.responses import ResponsesService
+from wafer.agents.store import ResponseStore
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def agent_of(body) -> str | None:
+    system = body["messages"][0]["content"] if body["messages"][0]["role"] == "system" else ""
+    return system.split("You are ", 1)[1].split(",", 1)[0] if system.startswith("You are agent_") else None
+
+
+class Team:
+    """A policy for every turn of an Ultra response: the plan, each agent's work, the synthesis."""
+
+    def __init__(self, n: int, hold: float = 0.0, fail: str | None = None, tool_agent: str | None = None) -> None:
+        self.n, self.hold, self.fail, self.tool_agent = n, hold, fail, tool_agent
+        self.in_flight = self.most = 0
+
+    async def __call__(self, body):  # type: ignore[no-untyped-def]
+        if body.get("response_format"):
+            assert body["response_format"]["json_schema"]["schema"]["properties"]["subtasks"]["maxItems"] == self.n
+            return json.dumps({"subtasks": [f"city {k}" for k in range(1, self.n + 1)]})
+        agent = agent_of(body)
+        if agent is None:
+            results = body["messages"][-1]["content"]
+            assert results.startswith("Results of the agents")
+            return "Summary: " + "; ".join(line for line in results.splitlines() if line.startswith("result of"))
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await asyncio.sleep(self.hold)
+        finally:
+            self.in_flight -= 1
+        if agent == self.fail:
+            raise RuntimeError("this agent broke")
+        last = body["messages"][-1]
+        if agent == self.tool_agent and last["role"] != "tool":
+            return [("get_weather", {"city": "Oslo"})]
+        return f"result of {agent}" + (f" with {last['content']}" if last["role"] == "tool" else "")
+
+
+@pytest.fixture(scope="module")
+def scripted(smollm, tmp_path_factory):
+    script = ScriptedChat([])
+    service = ResponsesService(script, ResponseStore(tmp_path_factory.mktemp("state") / "state.db"))
+    server = start_server(smollm, names=[MODEL], responses=service)
+    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60), script
+    server.stop()
+
+
+def test_plan_agents_and_synthesis(scripted):
+    client, script = scripted
+    team = script.policy = Team(3, hold=0.3)
+    r = client.responses.create(model=MODEL, input="Weather in three cities?", tools=[WEATHER],
+                                extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": 3}})
+    assert r.status == "completed"
+    agents = [i.model_extra["agent"] for i in r.output]
+    assert agents[0] == "root" and r.output[0].type == "reasoning"  # the plan
+    plan = json.loads(r.output[0].content[0].text)["subtasks"]
+    assert len(plan) == 3
+    assert sorted(set(agents[1:-1])) == ["agent_1", "agent_2", "agent_3"]
+    assert all(i.type == "reasoning" for i in r.output[1:-1])
+    assert r.output[-1].type == "message" and agents[-1] == "root"
+    assert r.output_text == "Summary: result of agent_1; result of agent_2; result of agent_3"
+    assert team.most == 3  # all three agents' turns were open at once
+    per = r.model_extra["accounting"]["agents"]
+    assert set(per) == {"root", "agent_1", "agent_2", "agent_3"}
+    assert sum(a["input_tokens"] for a in per.values()) == r.usage.input_tokens
+    assert sum(a["output_tokens"] for a in per.values()) == r.usage.output_tokens
+    assert per["root"]["model_turns"] == 2  # plan and synthesis
+    script.policy = None
+
+
+@pytest.mark.parametrize("how", [
+    {"model": MODEL + "-ultra"},
+    {"model": MODEL, "reasoning": {"effort": "ultra"}},
+])
+def test_ultra_by_model_name_or_effort(scripted, how):
+    client, script = scripted
+    script.policy = Team(4)
+    r = client.responses.create(input="Four cities?", **how)
+    assert r.output_text.count("result of agent_") == 4
+    script.policy = None
+
+
+def test_streamed_events_in_order_tagged_with_their_agent(scripted):
+    client, script = scripted
+    script.policy = Team(2, hold=0.1)
+    with client.responses.stream(model=MODEL, input="Two cities?",
+                                 extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": 2}}) as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert {e.model_extra["agent"] for e in deltas} == {"root", "agent_1", "agent_2"}
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text and text.startswith("Summary:")
+    indices = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert indices == list(range(len(final.output)))
+    script.policy = None
+
+
+def test_a_failed_agent_is_reported_and_the_rest_synthesise(scripted):
+    client, script = scripted
+    script.policy = Team(3, fail="agent_2")
+    r = client.responses.create(model=MODEL + "-ultra", input="Three?",
+                                extra_body={"multi_agent": {"max_concurrent_subagents": 3}})
+    assert r.status == "completed"
+    failed = [i for i in r.output if i.model_extra["agent"] == "agent_2"]
+    assert failed and "failed" in failed[-1].content[0].text
+    assert r.output_text == "Summary: result of agent_1; result of agent_3"
+    assert r.model_extra["accounting"]["agents"]["agent_2"]["status"] == "failed"
+    script.policy = None
+
+
+def test_an_agent_waiting_on_a_client_tool_pauses_the_tree(scripted):
+    client, script = scripted
+    script.policy = Team(2, tool_agent="agent_1")
+    r = client.responses.create(model=MODEL + "-ultra", input="Two?", tools=[WEATHER],
+                                extra_body={"multi_agent": {"max_concurrent_subagents": 2}})
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].model_extra["agent"] == "agent_1" and r.output_text == ""
+    r = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[WEATHER], input=[
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "snow"}])
+    assert r.output_text == "Summary: result of agent_1 with snow; result of agent_2"
+    # agent_2 finished in the first response and did not run again
+    assert set(r.model_extra["accounting"]["agents"]) == {"agent_1", "root"}
+    script.policy = None
+
+
+def test_n_is_bounded(scripted):
+    client, _ = scripted
+    for n in (0, 17, "4"):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model=MODEL, input="x",
+                                    extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": n}})
+
+
+@pytest.fixture(scope="module")
+def real(smollm, tmp_path_factory):
+    server = start_server(smollm, names=[MODEL], state_db=tmp_path_factory.mktemp("state") / "s.db")
+    yield server, openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+    server.stop()
+
+
+def test_subagents_are_batched_in_one_engine(real):
+    server, client = real
+    before = server.engine.stats.max_batch_size
+    server.engine.stats.max_batch_size = 0
+    r = client.responses.create(model=MODEL + "-ultra", input="Write about four animals: cats, dogs, owls, bees.",
+                                temperature=0, max_output_tokens=200,
+                                extra_body={"multi_agent": {"max_concurrent_subagents": 4}})
+    assert r.status in ("completed", "incomplete")
+    per = r.model_extra["accounting"]["agents"]
+    assert {"agent_1", "agent_2", "agent_3", "agent_4"} <= set(per)
+    # the four agents' decode steps ran in the same engine steps
+    assert server.engine.stats.max_batch_size >= 4, server.engine.stats
+    server.engine.stats.max_batch_size = max(before, server.engine.stats.max_batch_size)
+
+
+def test_cancelling_the_stream_stops_every_agent(real):
+    server, client = real
+    with client.responses.stream(model=MODEL + "-ultra", input="Write long stories about four animals.",
+                                 temperature=0, extra_body={"multi_agent": {"max_concurrent_subagents": 4}}) as s:
+        seen = set()
+        for e in s:
+            if e.type == "response.reasoning_text.delta":
+                seen.add(e.model_extra["agent"])
+            if len(seen - {"root"}) >= 2:
+                break  # leaves the stream: the client goes away mid-response
+    server.wait_idle(30)
+    assert server.engine.kv.num_used == 0 and server.engine.kv.usage == 0.0
+
+
+def test_delete_cancels_a_response_being_made(real):
+    server, client = real
+    result: dict = {}
+
+    def make() -> None:
+        try:
+            result["r"] = client.responses.create(model=MODEL + "-ultra", input="Write long stories about owls.",
+                                                  temperature=0)
+        except Exception as e:  # noqa: BLE001
+            result["e"] = e
+
+    t = threading.Thread(target=make)
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.served.engine.num_running < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    service = server.server.config.app.state.agents[0]  # type: ignore[attr-defined]
+    assert len(service.active) == 1, (service.active, server.served.engine.num_running, result)
+    (rid,) = list(service.active)
+    client.responses.delete(rid)
+    t.join(60)
+    assert not t.is_alive()
+    server.wait_idle(30)
+    assert "r" not in result

@@ -30,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import openai  # noqa: E402
 
-from tests.serving import start_server  # noqa: E402
+from tests.serving import serve_app, start_server  # noqa: E402
+from wafer.agents import ultra  # noqa: E402
+from wafer.server.app import create_app  # noqa: E402
+from wafer.server.main import build_served  # noqa: E402
 from wafer.agents.responses import ResponsesService  # noqa: E402
 from wafer.agents.store import ResponseStore  # noqa: E402
 from wafer.models.chat_template import ChatTemplate  # noqa: E402
@@ -250,11 +253,48 @@ def table(title: str, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
         print(f"PTC / direct, tokens read and written: {p / d:.2f} ({(1 - p / d) * 100:.0f}% fewer)")
 
 
+ANIMALS = ["owls", "bees", "foxes", "whales", "crows", "otters", "ants", "bats", "wolves", "frogs", "moths", "seals",
+           "hares", "newts", "larks", "crabs"]
+
+
+def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
+    """Ultra against the same parts run one after another, on the same engine: each part as the
+    sub-agent would run it (its instructions, its budget), greedy so that both write the same."""
+    print(f"\nUltra on {model}: N parts at once against the same N parts one after another, greedy; "
+          f"each part up to {ultra.SUBAGENT_TOKENS} tokens")
+    print("| N | Ultra wall s | of which plan s | agents s | synthesis s | sequential wall s | speed-up | "
+          "Ultra tokens written | sequential tokens written |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in ns:
+        task = "Write a short paragraph about each of these animals: " + ", ".join(ANIMALS[:n]) + "."
+        t0 = time.perf_counter()
+        r = client.responses.create(model=model, input=task, temperature=0, max_output_tokens=200,
+                                    extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": n}})
+        wall = time.perf_counter() - t0
+        acct = r.model_extra["accounting"]
+        parts = {name: a["part"] for name, a in acct["ultra"]["agents"].items()}
+        root_turns = [t for t in acct["turns"] if t.get("agent") == "root"]
+        plan_s, synth_s = root_turns[0]["seconds"], root_turns[-1]["seconds"]
+        agents_s = max(a["seconds"] for name, a in acct["agents"].items() if name != "root")
+        seq_tokens = 0
+        t0 = time.perf_counter()
+        for name, part in parts.items():
+            one = client.responses.create(
+                model=model, input=part, temperature=0, max_output_tokens=ultra.SUBAGENT_TOKENS,
+                instructions=ultra.SUBAGENT.format(name=name, n=n, task=task, part=part))
+            seq_tokens += one.usage.output_tokens
+        seq = time.perf_counter() - t0
+        sub_tokens = sum(a["output_tokens"] for name, a in acct["agents"].items() if name != "root")
+        print(f"| {n} | {wall:.2f} | {plan_s:.2f} | {agents_s:.2f} | {synth_s:.2f} | {seq:.2f} | {seq / wall:.2f}x | "
+              f"{sub_tokens} | {seq_tokens} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count-model", default="sol", help="whose chat template and tokenizer count the scripted "
                     "turns' tokens (default sol: Qwen2.5-Coder-1.5B-Instruct)")
     ap.add_argument("--real", action="append", default=[], help="also run on this tier or model (repeatable)")
+    ap.add_argument("--ultra", default="4,8,16", help="Ultra's N to measure on the default model ('' for none)")
     args = ap.parse_args()
     state = Path(tempfile.mkdtemp()) / "state.db"
 
@@ -268,12 +308,19 @@ def main() -> None:
             script.policy = task.direct if mode == "direct" else _ptc_policy(task)
             rows.append((task.name, mode, run_task(client, "scripted", task, mode)))
     server.stop()
+    if args.ultra:
+        served = build_served(small, ["SmolLM2-135M-Instruct"], 16, 64, 4096, 256)
+        server = serve_app(create_app(served, state_db=state), served)
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=900)
+        ultra_rows(client, "SmolLM2-135M-Instruct", [int(n) for n in args.ultra.split(",")])
+        server.stop()
     table(f"scripted policy (tokens counted with {find(args.count_model).name if find(args.count_model) else args.count_model}'s "
           "template and tokenizer)", rows)
 
     for tier in args.real:
         loaded = load_model(tier, compute="auto")
-        server = start_server(loaded, names=[loaded.name], max_running=4, state_db=state)
+        served = build_served(loaded, [loaded.name], 4, 64, 8192, 256)
+        server = serve_app(create_app(served, state_db=state), served)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=600)
         rows = []
         for task in TASKS:

@@ -253,6 +253,7 @@ def table(title: str, rows: list[tuple[str, str, dict[str, Any]]]) -> None:
         print(f"PTC / direct, tokens read and written: {p / d:.2f} ({(1 - p / d) * 100:.0f}% fewer)")
 
 
+AGENT_TOKENS = 256
 ANIMALS = ["owls", "bees", "foxes", "whales", "crows", "otters", "ants", "bats", "wolves", "frogs", "moths", "seals",
            "hares", "newts", "larks", "crabs"]
 
@@ -261,7 +262,7 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
     """Ultra against the same parts run one after another, on the same engine: each part as the
     sub-agent would run it (its instructions, its budget), greedy so that both write the same."""
     print(f"\nUltra on {model}: N parts at once against the same N parts one after another, greedy; "
-          f"each part up to {ultra.SUBAGENT_TOKENS} tokens")
+          f"each part up to {AGENT_TOKENS} tokens")
     print("| N | Ultra wall s | of which plan s | agents s | synthesis s | sequential wall s | speed-up | "
           "Ultra tokens written | sequential tokens written |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -269,7 +270,8 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
         task = "Write a short paragraph about each of these animals: " + ", ".join(ANIMALS[:n]) + "."
         t0 = time.perf_counter()
         r = client.responses.create(model=model, input=task, temperature=0, max_output_tokens=200,
-                                    extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": n}})
+                                    extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": n,
+                                                               "max_output_tokens_per_agent": AGENT_TOKENS}})
         wall = time.perf_counter() - t0
         acct = r.model_extra["accounting"]
         parts = {name: a["part"] for name, a in acct["ultra"]["agents"].items()}
@@ -280,7 +282,7 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
         t0 = time.perf_counter()
         for name, part in parts.items():
             one = client.responses.create(
-                model=model, input=part, temperature=0, max_output_tokens=ultra.SUBAGENT_TOKENS,
+                model=model, input=part, temperature=0, max_output_tokens=AGENT_TOKENS,
                 instructions=ultra.SUBAGENT.format(name=name, n=n, task=task, part=part))
             seq_tokens += one.usage.output_tokens
         seq = time.perf_counter() - t0

@@ -165,3 +165,35 @@ def test_synthetic_prompts_have_exact_lengths(smollm):
     shared = synthetic(smollm.tokenizer, 3, 100, 8, seed=1, shared_prefix=40)
     ids = [smollm.tokenizer.encode(p.text, add_special_tokens=False) for p in shared]
     assert ids[0][:38] == ids[1][:38] == ids[2][:38]
+
+
+@pytest.mark.parametrize("mode", ["direct", "ultra"])
+def test_bench_drives_the_responses_api_in_a_mode(server, tmp_path, mode):
+    rc = main(["bench", "--base-url", server.base_url + "/v1", "--num-prompts", "2", "--warmup", "0",
+               "--concurrency", "2", "--input-len", "16", "--output-len", "24", "--endpoint", "responses",
+               "--mode", mode, "--subagents", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
+    assert cell["completed"] == 2 and cell["ttft_s"]["p50"] > 0
+    assert json.loads((tmp_path / "results.json").read_text())["meta"]["mode"] == mode
+
+
+def test_a_narrow_terminal_gets_each_cell_as_lines(capsys):
+    from rich.console import Console
+
+    from wafer.benchmark.report import COLUMNS, terminal_table
+    from wafer.benchmark.stats import cell_stats
+    from wafer.benchmark.client import RequestRecord
+
+    rec = RequestRecord(0.0, 10, 4, ok=True, status=200, chunk_times=[0.1, 0.2, 0.3], text="a b c", end=0.3)
+    cell = {"input_len": 10, "output_len": 4, "concurrency": 1, "request_rate": float("inf"),
+            **cell_stats([rec], duration=1.0, tokenizer=None)}
+    narrow = Console(width=80, record=True, file=open("/dev/null", "w"))
+    terminal_table([cell], narrow)
+    text = narrow.export_text()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+    for name, _ in COLUMNS:
+        assert any(line.startswith(name) for line in text.splitlines()), name
+    wide = Console(width=400, record=True, file=open("/dev/null", "w"))
+    terminal_table([cell], wide)
+    assert "TTFT p50 ms" in wide.export_text() and "cell 1 of 1" not in wide.export_text()

@@ -63,7 +63,8 @@ class ResponseRequest(_Body):
     stream: Annotated[bool, Field(strict=True)] = False
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    # OpenAI's beta: {"enabled": true, "max_concurrent_subagents": N}; wafer adds "subagent_model"
+    # OpenAI's beta: {"enabled": true, "max_concurrent_subagents": N}; wafer adds "subagent_model" and
+    # "max_output_tokens_per_agent"
     multi_agent: dict[str, Any] | None = None
     seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)] | None = None  # wafer's, as on chat
 

@@ -100,7 +100,7 @@ class ResponsesService:
             task_before, ultra_state = {}, None
         model, ultra = settings(req, req.model)
         if ultra_state is not None:
-            ultra = {"n": ultra_state["n"], "subagent_model": ultra_state["subagent_model"]}
+            ultra = {k: ultra_state[k] for k in ("n", "subagent_model", "agent_tokens")}
         req = req.model_copy(update={"model": model})
         new = input_items(req.input)
         known = {i.get("id"): i for i in history + new if i.get("type") != "item_reference"}

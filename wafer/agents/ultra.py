@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the service drives the turns; this module only orders them
 
 DEFAULT_SUBAGENTS = 4
 MAX_SUBAGENTS = 16
-SUBAGENT_TOKENS = 512  # each sub-agent's output budget over all its turns
+SUBAGENT_TOKENS = 512  # each sub-agent's output budget over all its turns, unless the request says
 SUBAGENT_SECONDS = 300.0
 PART_CHARS = 200  # a sub-task's length in the plan's schema: what the plan's budget allows for
 PLAN_TOKENS_PER_TASK = PART_CHARS // 2 + 20  # a part of one- or two-character tokens still fits
@@ -58,7 +58,11 @@ def settings(req: Any, model: str) -> tuple[str, dict[str, Any] | None]:
     sub = asked.get("subagent_model")
     if sub is not None and not isinstance(sub, str):
         raise bad_request("multi_agent.subagent_model must be a model name.", "multi_agent.subagent_model")
-    return base, {"n": n, "subagent_model": sub or base}
+    budget = asked.get("max_output_tokens_per_agent", SUBAGENT_TOKENS)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise bad_request("multi_agent.max_output_tokens_per_agent must be a positive integer.",
+                          "multi_agent.max_output_tokens_per_agent")
+    return base, {"n": n, "subagent_model": sub or base, "agent_tokens": budget}
 
 
 def _text(item: dict[str, Any]) -> str:
@@ -165,7 +169,8 @@ class Ultra:
                     parts = [f"Work on the task from angle {k + 1} of {n}, different from the other agents'."
                              for k in range(n)]
                 task = self._task(root.history + root.new_items)
-                state = {"n": n, "subagent_model": cfg["subagent_model"], "task": task, "agents": {
+                state = {"n": n, "subagent_model": cfg["subagent_model"], "agent_tokens": cfg["agent_tokens"],
+                         "task": task, "agents": {
                     f"agent_{k + 1}": {"part": part, "items": [], "status": "pending"}
                     for k, part in enumerate(parts[:n])}}
             root.accounting["ultra"] = state
@@ -199,7 +204,7 @@ class Ultra:
                                       "together.", "input")
                 new = [outputs[c] for c in owed]
             plan = self._derived(root, name, SUBAGENT.format(name=name, n=n, task=state["task"], part=agent["part"]),
-                                 agent["items"], new, True, SUBAGENT_TOKENS, model=state["subagent_model"])
+                                 agent["items"], new, True, state["agent_tokens"], model=state["subagent_model"])
             outs = {i["call_id"] for i in new if i["type"] == "function_call_output"}
             plan.resume = self.service.pool.claim(outs) if outs else None
             plans[name] = plan

@@ -32,7 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the endpoint's /v1 URL")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--endpoint", choices=["chat", "completions", "responses"], default="chat")
+    p.add_argument("--mode", choices=["direct", "ultra", "max"], default="direct",
+                   help="with --endpoint responses: plain, Ultra (sub-agents) or Max (a reasoning budget)")
+    p.add_argument("--subagents", type=int, default=4, help="Ultra's sub-agents (--mode ultra)")
+    p.add_argument("--effort", default="high", help="reasoning.effort for --mode max")
     p.add_argument("--input-len", type=_ints, default=[128], help="prompt tokens; a list sweeps, e.g. 128,1024")
     p.add_argument("--output-len", type=_ints, default=[128], help="max tokens; a list sweeps")
     p.add_argument("--dataset", type=Path, default=None, help="JSONL with 'prompt' (or 'messages') per line")
@@ -87,7 +91,8 @@ def main(args: argparse.Namespace) -> int:
                         prompts = synthetic(tokenizer, args.num_prompts + args.warmup, in_len, out_len, seed,
                                             args.shared_prefix)
                     cfg = LoadConfig(args.base_url, model, args.endpoint, args.api_key, conc, args.request_rate,
-                                     args.burstiness, args.duration, args.ignore_eos, args.timeout, seed)
+                                     args.burstiness, args.duration, args.ignore_eos, args.timeout, seed,
+                                     args.mode, args.subagents, args.effort)
                     if args.warmup:
                         warm = LoadConfig(**{**cfg.__dict__, "duration": None, "request_rate": float("inf")})
                         run_async(run_load(warm, prompts[: args.warmup]))
@@ -104,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
                     e2e_by_cell[len(cells) - 1] = [r.e2e for r in records if r.ok and r.e2e is not None]
     terminal_table(cells, console)
     if args.out:
-        meta = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint,
+        meta = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint, "mode": args.mode,
                 "num_prompts": args.num_prompts, "warmup": args.warmup, "seed": args.seed,
                 "ignore_eos": args.ignore_eos, "started": started, "burstiness": args.burstiness,
                 "shared_prefix": args.shared_prefix, "slo": args.slo}

@@ -38,16 +38,20 @@ class RequestRecord:
 
 
 async def send(session: aiohttp.ClientSession, base_url: str, endpoint: str, model: str, prompt: Prompt,
-               api_key: str | None, ignore_eos: bool, timeout: float) -> RequestRecord:
+               api_key: str | None, ignore_eos: bool, timeout: float, extra: dict | None = None) -> RequestRecord:
     body: dict = {"model": model, "max_tokens": prompt.output_len, "stream": True,
                   "stream_options": {"include_usage": True}, "temperature": 0}
-    if endpoint == "chat":
+    if endpoint == "responses":  # the output budget covers reasoning and, under Ultra, the synthesis
+        url = base_url.rstrip("/") + "/responses"
+        body = {"model": model, "input": prompt.text, "max_output_tokens": prompt.output_len, "stream": True,
+                "temperature": 0, **(extra or {})}
+    elif endpoint == "chat":
         url = base_url.rstrip("/") + "/chat/completions"
         body["messages"] = [{"role": "user", "content": prompt.text}]
     else:
         url = base_url.rstrip("/") + "/completions"
         body["prompt"] = prompt.text
-    if ignore_eos:
+    if ignore_eos and endpoint != "responses":
         body["ignore_eos"] = True
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     rec = RequestRecord(time.perf_counter(), prompt.input_len, prompt.output_len)
@@ -100,6 +104,10 @@ def _read_events(rec: RequestRecord, events: list[tuple[float, bytes]], endpoint
             if data == b"[DONE]":
                 return False
             obj = json.loads(data)
+            if endpoint == "responses":
+                if _read_response_event(rec, obj, at):
+                    return True
+                continue
             if "error" in obj:
                 rec.error_type = obj["error"].get("type") or "stream_error"
                 rec.error = obj["error"].get("message")
@@ -113,6 +121,24 @@ def _read_events(rec: RequestRecord, events: list[tuple[float, bytes]], endpoint
                 if piece:
                     rec.chunk_times.append(at)
                     rec.text += piece
+    return False
+
+
+def _read_response_event(rec: RequestRecord, obj: dict, at: float) -> bool:
+    """One event of /v1/responses into the record; True for an error. The answer's text times the
+    tokens (reasoning and sub-agents' work come before it, as its TTFT shows)."""
+    kind = obj.get("type")
+    if kind == "response.output_text.delta" and obj.get("delta"):
+        rec.chunk_times.append(at)
+        rec.text += obj["delta"]
+    elif kind in ("response.completed", "response.incomplete"):
+        usage = (obj.get("response") or {}).get("usage") or {}
+        rec.usage_prompt, rec.usage_completion = usage.get("input_tokens"), usage.get("output_tokens")
+    elif kind in ("error", "response.failed"):
+        err = obj if kind == "error" else ((obj.get("response") or {}).get("error") or {})
+        rec.error_type, rec.error = err.get("code") or "stream_error", err.get("message")
+        rec.end = at
+        return True
     return False
 
 

@@ -38,11 +38,22 @@ def _ms(v: float | None, scale: float = 1000, digits: int = 0) -> str:
 
 
 def terminal_table(cells: list[dict[str, Any]], console: Console) -> None:
+    """A table where it fits the terminal; else each cell as a column of `name: value` lines (as
+    vLLM's bench prints), rather than a table of cut columns."""
+    rows = [[str(f(c)) for _, f in COLUMNS] for c in cells]
+    widths = [max([len(name), *(len(r[k]) for r in rows)]) for k, (name, _) in enumerate(COLUMNS)]
+    if sum(widths) + 3 * len(widths) + 1 > console.width:
+        label = max(len(name) for name, _ in COLUMNS)
+        for n, row in enumerate(rows):
+            console.print(f"{'=' * 10} wafer bench, cell {n + 1} of {len(rows)} {'=' * 10}")
+            for (name, _), value in zip(COLUMNS, row):
+                console.print(f"{name:<{label}}  {value}", highlight=False)
+        return
     t = Table(title="wafer bench")
     for name, _ in COLUMNS:
         t.add_column(name, justify="right")
-    for c in cells:
-        t.add_row(*[str(f(c)) for _, f in COLUMNS])
+    for row in rows:
+        t.add_row(*row)
     console.print(t)
 
 

@@ -50,6 +50,20 @@ class LoadConfig:
     ignore_eos: bool = False
     timeout: float = 600.0
     seed: int = 0
+    # /v1/responses only: how the server spends compute on each request (direct, ultra or max)
+    mode: str = "direct"
+    subagents: int = 4
+    effort: str = "high"
+
+
+def mode_body(cfg: LoadConfig, output_len: int) -> dict:
+    """What a /v1/responses request adds for its mode; Ultra's agents each get the output length."""
+    if cfg.mode == "ultra":
+        return {"multi_agent": {"enabled": True, "max_concurrent_subagents": cfg.subagents,
+                                "max_output_tokens_per_agent": output_len}}
+    if cfg.mode == "max":
+        return {"reasoning": {"effort": cfg.effort}}
+    return {}
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -73,10 +87,10 @@ async def run_load(cfg: LoadConfig, prompts: list[Prompt], progress: Progress | 
             if sem is not None:
                 async with sem:
                     rec = await send(client, cfg.base_url, cfg.endpoint, cfg.model, p, cfg.api_key, cfg.ignore_eos,
-                                     cfg.timeout)
+                                     cfg.timeout, mode_body(cfg, p.output_len))
             else:
                 rec = await send(client, cfg.base_url, cfg.endpoint, cfg.model, p, cfg.api_key, cfg.ignore_eos,
-                                 cfg.timeout)
+                                 cfg.timeout, mode_body(cfg, p.output_len))
             records.append(rec)
             if progress is not None and task is not None:
                 progress.advance(task)

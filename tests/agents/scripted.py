@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-Turn = Union[str, list[tuple[str, dict[str, Any]]]]  # a text answer, or calls: (function name, arguments)
+# a text answer; calls: (function name, arguments); or {"reasoning": ..., "text": ...} (a thinking model's)
+Turn = Union[str, list[tuple[str, dict[str, Any]]], dict[str, str]]
 
 
 def words(text: str) -> int:
@@ -44,6 +45,12 @@ class ScriptedChat:
             return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
         yield chunk({"role": "assistant", "content": ""})
+        thought = ""
+        if isinstance(turn, dict):
+            thought = turn["reasoning"]
+            for k, piece in enumerate(thought.split(" ")):
+                yield chunk({"reasoning_content": piece if k == 0 else " " + piece})
+            turn = turn["text"]
         if isinstance(turn, str):
             for k, piece in enumerate(turn.split(" ")):
                 yield chunk({"content": piece if k == 0 else " " + piece})
@@ -55,5 +62,7 @@ class ScriptedChat:
             out, finish = json.dumps(turn), "tool_calls"
         yield chunk({}, finish)
         read = words(json.dumps(body["messages"]))
-        yield {**head, "choices": [], "usage": {"prompt_tokens": read, "completion_tokens": words(out),
-                                                "total_tokens": read + words(out)}}
+        wrote = words(out) + words(thought)
+        yield {**head, "choices": [], "usage": {"prompt_tokens": read, "completion_tokens": wrote,
+                                                "total_tokens": read + wrote,
+                                                "completion_tokens_details": {"reasoning_tokens": words(thought)}}}

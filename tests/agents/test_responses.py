@@ -243,3 +243,23 @@ def test_each_response_accounts_for_its_turns_and_the_task_so_far(scripted):
     assert task["input_tokens"] == first.usage.input_tokens + second.usage.input_tokens
     assert task["cost_usd"] == pytest.approx(a1["cost_usd"] + a2["cost_usd"])
     assert client.responses.retrieve(second.id).model_extra["accounting"]["task"] == task
+
+
+def test_reasoning_comes_as_a_reasoning_item_before_the_answer(scripted):
+    client, script = scripted
+    script.turns[:] = [{"reasoning": "two plus two is four", "text": "4"}]
+    with client.responses.stream(model=MODEL, input="2+2?", reasoning={"effort": "low"}) as stream:
+        events = list(stream)
+        r = stream.get_final_response()
+    assert script.bodies[-1]["reasoning_effort"] == "low"
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "two plus two is four" and r.output_text == "4"
+    assert r.usage.output_tokens_details.reasoning_tokens == 5 and r.usage.output_tokens == 6
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == "two plus two is four"
+    # the next turn does not read the reasoning back
+    script.turns[:] = ["ok"]
+    client.responses.create(model=MODEL, input="thanks", previous_response_id=r.id)
+    assert "two plus two" not in json.dumps(script.bodies[-1]["messages"])

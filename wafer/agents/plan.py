@@ -36,7 +36,7 @@ class Plan:
     ultra: dict[str, Any] | None = None  # Ultra's settings (n, subagent_model), when it is on
     ultra_state: dict[str, Any] | None = None  # the sub-agents of the Ultra response this one resumes
     output: list[dict[str, Any]] = field(default_factory=list)
-    usage: dict[str, int] = field(default_factory=lambda: {"input": 0, "cached": 0, "output": 0})
+    usage: dict[str, int] = field(default_factory=lambda: {"input": 0, "cached": 0, "output": 0, "reasoning": 0})
     accounting: dict[str, Any] = field(default_factory=lambda: {
         "turns": [], "tool_calls": {"direct": 0, "programmatic": 0}, "programs": []})
 

@@ -208,7 +208,7 @@ class ResponsesService:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
             "usage": {"input_tokens": u["input"], "input_tokens_details": {"cached_tokens": u["cached"]},
-                      "output_tokens": u["output"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": u["output"], "output_tokens_details": {"reasoning_tokens": u["reasoning"]},
                       "total_tokens": u["input"] + u["output"]} if status != "in_progress" else None,
             "user": req.user, "metadata": req.metadata or {},
             # wafer's own: the model turns, tool calls and program runs behind this response
@@ -332,6 +332,7 @@ class ResponsesService:
         """One chat completion, streamed as a message item and function call (or program) items."""
         started = time.monotonic()
         message: dict[str, Any] | None = None
+        reasoning: dict[str, Any] | None = None
         pending: dict[int, dict[str, Any]] = {}
         finish = None
         usage: dict[str, Any] = {}
@@ -341,7 +342,21 @@ class ResponsesService:
             model = chunk.get("model") or model
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
+                thought = delta.get("reasoning_content") or delta.get("reasoning")  # vLLM's field, and its newer name
+                if thought and message is None:
+                    if reasoning is None:
+                        reasoning = {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+                                     "content": [{"type": "reasoning_text", "text": ""}]}
+                        plan.output.append(reasoning)
+                        yield ev("response.output_item.added", output_index=len(plan.output) - 1,
+                                 item=dict(reasoning, content=[]))
+                    reasoning["content"][0]["text"] += thought
+                    yield ev("response.reasoning_text.delta", item_id=reasoning["id"],
+                             output_index=plan.output.index(reasoning), content_index=0, delta=thought)
                 text = delta.get("content")
+                if text and reasoning is not None and reasoning["status"] == "in_progress":
+                    async for event in self._close_reasoning(plan, ev, reasoning):
+                        yield event
                 if text:
                     if message is None:
                         message = {"id": new_id("msg"), "type": "message", "role": "assistant",
@@ -365,11 +380,15 @@ class ResponsesService:
                     call["name"] += fn.get("name") or ""
                     call["arguments"] += fn.get("arguments") or ""
                 finish = choice.get("finish_reason") or finish
+        if reasoning is not None and reasoning["status"] == "in_progress":
+            async for event in self._close_reasoning(plan, ev, reasoning):
+                yield event
         if message is not None:
             async for event in self._close_message(plan, ev, message):
                 yield event
         u = {"input": usage.get("prompt_tokens", 0), "output": usage.get("completion_tokens", 0),
-             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+             "reasoning": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0}
         for key, value in u.items():
             plan.usage[key] += value
         price = self.prices.get(model) or {}
@@ -394,6 +413,13 @@ class ResponsesService:
                 yield event
         if finish == "length":
             yield {"type": "incomplete", "reason": "max_output_tokens"}
+
+    async def _close_reasoning(self, plan: Plan, ev: Events, item: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        index = plan.output.index(item)
+        item["status"] = "completed"
+        yield ev("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                 text=item["content"][0]["text"])
+        yield ev("response.output_item.done", output_index=index, item=item)
 
     async def _close_message(self, plan: Plan, ev: Events, message: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         index = plan.output.index(message)

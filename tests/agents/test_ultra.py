@@ -215,3 +215,27 @@ def test_delete_cancels_a_response_being_made(real):
     assert not t.is_alive()
     server.wait_idle(30)
     assert "r" not in result
+
+
+def test_the_agents_sdk_reaches_ultra_and_max_by_model_name_and_effort(scripted):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+    from openai.types.shared import Reasoning
+
+    client, script = scripted
+    sdk = AsyncOpenAI(base_url=str(client.base_url), api_key="x", max_retries=0, timeout=60)
+    agents.set_tracing_disabled(True)
+    ultra = agents.Agent(name="u", model=agents.OpenAIResponsesModel(MODEL + "-ultra", sdk))
+    deep = agents.Agent(name="m", model=agents.OpenAIResponsesModel(MODEL, sdk),
+                        model_settings=agents.ModelSettings(reasoning=Reasoning(effort="high")))
+
+    async def both():  # type: ignore[no-untyped-def]
+        script.policy = Team(4)
+        first = await agents.Runner.run(ultra, "Four cities?")
+        script.policy = None
+        script.turns[:] = [{"reasoning": "think", "text": "done"}]
+        return first, await agents.Runner.run(deep, "Hard question?")
+
+    first, second = asyncio.run(both())
+    assert first.final_output.count("result of agent_") == 4
+    assert second.final_output == "done" and script.bodies[-1]["reasoning_effort"] == "high"

@@ -156,3 +156,35 @@ def hf_to_gguf(hf_dir: Path, out: Path, qtype: GGMLQuantizationType = Q.F32, see
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# A chat template with a thinking switch, as Qwen3's: thinking is on unless `enable_thinking` is false,
+# which closes an empty thought in the prompt; past assistant turns lose their thoughts.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def with_chat_template(hf_dir: Path, out: Path, template: str) -> Path:
+    """A copy of the model in `hf_dir` whose tokenizer_config.json carries `template`."""
+    import json
+    import shutil
+
+    shutil.copytree(hf_dir, out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))
+    return out

@@ -33,6 +33,10 @@
     long_prompt_tokens = 1500
     short_prompt_tokens = 200
     hints = ["think hard", "think carefully"]
+
+    [reasoning]                 # reasoning budget in tokens per `reasoning_effort` (wafer/server/reasoning.py);
+    low = 256                   # levels left out keep their defaults (REASONING_BUDGETS); none is always 0
+    high = 2048
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ TIERS = ("sol", "terra", "luna")
 ROUTER_NAMES = ("auto", "gpt-5.6")
 TIER_ALIASES = {"gpt-5.6-sol": "sol", "gpt-5.6-terra": "terra", "gpt-5.6-luna": "luna"}
 ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens")
+# Tokens of reasoning per effort level before the answer; `ultra` reasons as `max` does. Each level
+# has about four times the budget of the one below it, from a short plan to a long derivation.
+REASONING_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096, "xhigh": 8192,
+                     "max": 16384}
 
 
 class ConfigError(WaferError):
@@ -113,6 +121,7 @@ class ServeConfig:
     aliases: dict[str, str]  # client name -> tier or model name
     routing: RoutingConfig
     memory_budget_gb: float | None = None
+    reasoning: dict[str, int] = field(default_factory=lambda: dict(REASONING_BUDGETS))  # effort -> tokens
 
     def prices(self) -> dict[str, dict[str, float]]:
         """Prices by the model name a completion carries: a local model's name, an upstream's model."""
@@ -223,6 +232,21 @@ def _price(value: Any, where: str) -> dict[str, float]:
     return {k: float(v) for k, v in value.items()}
 
 
+def _reasoning(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise ConfigError("[reasoning] must be a table of tokens per effort level, e.g. low = 256")
+    unknown = set(value) - set(REASONING_BUDGETS)
+    if unknown:
+        raise ConfigError(f"[reasoning] has no effort level(s) {sorted(unknown)}; levels are "
+                          f"{', '.join(REASONING_BUDGETS)}")
+    for level, tokens in value.items():
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ConfigError(f"[reasoning] {level} must be a whole number of tokens, 0 or more")
+    if value.get("none", 0) != 0:
+        raise ConfigError("[reasoning] none is always 0 tokens")
+    return {**REASONING_BUDGETS, **value}
+
+
 def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto",
            settings: dict[str, Any] | None = None) -> ServeConfig:
     models = {}
@@ -269,7 +293,8 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
             setattr(routing, key, value)
         else:
             raise ConfigError(f"[routing] has no option {key!r}")
-    cfg = ServeConfig(models, upstreams, tiers, dict(raw.get("aliases") or {}), routing, raw.get("memory_budget_gb"))
+    cfg = ServeConfig(models, upstreams, tiers, dict(raw.get("aliases") or {}), routing, raw.get("memory_budget_gb"),
+                      _reasoning(raw.get("reasoning", {})))
     cfg.check()
     return cfg
 

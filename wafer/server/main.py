@@ -225,6 +225,7 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
                                        o.get("max_model_len", 4096), o.get("max_batched_tokens", 256),
                                        speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
                                        sampling=m.sampling))
+            served[-1].reasoning = dict(cfg.reasoning)
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
     return served

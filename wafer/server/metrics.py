@@ -132,6 +132,9 @@ class ServerMetrics:
         self.agent_programs = Histogram("wafer:agent_program_seconds", "Running time of each program (not counting "
                                         "time parked for tool outputs), by how it ended.", ["status"],
                                         buckets=_LATENCY, registry=r)
+        self.reasoning_tokens = Counter("wafer:reasoning_tokens", "Tokens of reasoning before the answer (a "
+                                        "model's own thinking or wafer's reasoning turn), by reasoning_effort.",
+                                        lbl + ["effort"], registry=r)
         self.running = Gauge("wafer:num_requests_running", "Sequences in the running batch.", lbl, registry=r)
         self.waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
         self.kv = Gauge("wafer:kv_cache_usage_perc", "Fraction of KV-cache token capacity in use (0 to 1).", lbl,
@@ -171,6 +174,9 @@ class ServerMetrics:
             self.agent_tool_calls.labels(caller).inc(n)
         for run in acct.get("programs") or []:
             self.agent_programs.labels(run["status"]).observe(run["seconds"])
+
+    def reasoning(self, model: str, effort: str, tokens: int) -> None:
+        self.reasoning_tokens.labels(model, effort).inc(tokens)
 
     def error(self, status: int, model: str = "") -> None:
         self.errors.labels(model, str(status)).inc()

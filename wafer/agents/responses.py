@@ -102,7 +102,7 @@ class ResponsesService:
         if ultra_state is not None:
             ultra = {k: ultra_state[k] for k in ("n", "subagent_model", "agent_tokens")}
         req = req.model_copy(update={"model": model})
-        new = input_items(req.input)
+        new = await asyncio.to_thread(input_items, req.input)  # grows with the input: off the loop
         known = {i.get("id"): i for i in history + new if i.get("type") != "item_reference"}
         for i, item in enumerate(new):
             if item["type"] == "item_reference":

@@ -62,8 +62,29 @@ def scripted(smollm, tmp_path_factory):
     script = ScriptedChat([])
     service = ResponsesService(script, ResponseStore(tmp_path_factory.mktemp("state") / "state.db"))
     server = start_server(smollm, names=[MODEL], responses=service)
-    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60), script
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client.service = service  # type: ignore[attr-defined]
+    yield client, script
     server.stop()
+
+
+def test_subagents_run_on_the_configured_model_unless_the_request_names_one(scripted):
+    client, script = scripted
+    script.policy = Team(2)
+    client.service.subagent_model = "luna"
+    try:
+        script.bodies.clear()
+        client.responses.create(model=MODEL + "-ultra", input="Two?", extra_body={"multi_agent": {
+            "max_concurrent_subagents": 2}})
+        by_agent = {agent_of(b): b["model"] for b in script.bodies}
+        assert by_agent == {None: MODEL, "agent_1": "luna", "agent_2": "luna"}
+        script.bodies.clear()
+        client.responses.create(model=MODEL + "-ultra", input="Two?", extra_body={"multi_agent": {
+            "max_concurrent_subagents": 2, "subagent_model": "terra"}})
+        assert {agent_of(b): b["model"] for b in script.bodies}["agent_1"] == "terra"
+    finally:
+        client.service.subagent_model = None
+        script.policy = None
 
 
 def test_plan_agents_and_synthesis(scripted):

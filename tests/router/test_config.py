@@ -57,6 +57,7 @@ tiers = { code = "sol" }
     ("[models.a]\nsampling = { top_k = 4.5 }", "top_k must be an integer"),
     ("[models.a]\nsampling = 0.7", "sampling must be a table"),
     ("[models.a]\nprice = 3", "price must be a table of USD per million tokens"),
+    ("[models.a]\n[agents]\nsubagents = 'luna'", "[agents] takes subagent_model"),
     ("[models.a]\nprice = { input = -1 }", "price must be a table"),
     ("[upstreams.u]\nbase_url = 'http://x/v1'\nprice = { in = 1 }", "upstream 'u': price must be a table"),
     ("[models.a]\n[routing]\ntiers = { code = 'mars' }", "mars"),
@@ -112,3 +113,8 @@ def test_prices_by_the_model_name_a_completion_carries(tmp_path):
     cfg = load_config(write(tmp_path, "[models.a]\nprice = { input = 0.1, output = 0.4 }\n[models.b]\n"
                             "[upstreams.u]\nbase_url = 'http://x/v1'\nmodel = 'big'\nprice = { output = 8 }"))
     assert cfg.prices() == {"a": {"input": 0.1, "output": 0.4}, "big": {"output": 8.0}}
+
+
+def test_agents_subagent_model(tmp_path):
+    assert load_config(write(tmp_path, "[models.a]\n[agents]\nsubagent_model = 'luna'")).subagent_model == "luna"
+    assert load_config(write(tmp_path, "[models.a]")).subagent_model is None

@@ -37,7 +37,9 @@ def _not_found(rid: str) -> APIError:
 
 class ResponsesService:
     def __init__(self, backend: ChatBackend, store: ResponseStore, pool: ProgramPool | None = None,
-                 limits: Limits | None = None, prices: dict[str, dict[str, float]] | None = None) -> None:
+                 limits: Limits | None = None, prices: dict[str, dict[str, float]] | None = None,
+                 subagent_model: str | None = None) -> None:
+        self.subagent_model = subagent_model  # Ultra's sub-agents' model when the request names none
         # USD per million tokens, by the model name a turn's chunks carry: {"input": x, "output": y}
         self.prices = prices or {}
         # Called with every finished response (the server counts them in its metrics).
@@ -98,7 +100,7 @@ class ResponsesService:
             ultra_state = resumable(chain[-1][2])
         else:
             task_before, ultra_state = {}, None
-        model, ultra = settings(req, req.model)
+        model, ultra = settings(req, req.model, self.subagent_model)
         if ultra_state is not None:
             ultra = {k: ultra_state[k] for k in ("n", "subagent_model", "agent_tokens")}
         req = req.model_copy(update={"model": model})

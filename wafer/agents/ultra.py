@@ -42,9 +42,10 @@ SYNTHESIS = ("Your team of agents worked on parts of the user's task. Their resu
              "answer to the task. Do not mention the agents.")
 
 
-def settings(req: Any, model: str) -> tuple[str, dict[str, Any] | None]:
+def settings(req: Any, model: str, subagent_model: str | None = None) -> tuple[str, dict[str, Any] | None]:
     """The model to run and Ultra's settings, if the request asks for Ultra: by `multi_agent`, by
-    `reasoning.effort: "ultra"`, or by a model name ending in `-ultra`."""
+    `reasoning.effort: "ultra"`, or by a model name ending in `-ultra`. Sub-agents run on the
+    request's `multi_agent.subagent_model`, else `subagent_model` (wafer.toml's), else the root's."""
     base = model.removesuffix("-ultra")
     asked = req.multi_agent or {}
     on = bool(asked.get("enabled")) or (req.reasoning is not None and req.reasoning.effort == "ultra") \
@@ -62,7 +63,7 @@ def settings(req: Any, model: str) -> tuple[str, dict[str, Any] | None]:
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise bad_request("multi_agent.max_output_tokens_per_agent must be a positive integer.",
                           "multi_agent.max_output_tokens_per_agent")
-    return base, {"n": n, "subagent_model": sub or base, "agent_tokens": budget}
+    return base, {"n": n, "subagent_model": sub or subagent_model or base, "agent_tokens": budget}
 
 
 def _text(item: dict[str, Any]) -> str:

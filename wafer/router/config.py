@@ -37,6 +37,9 @@
     [reasoning]                 # reasoning budget in tokens per `reasoning_effort` (wafer/server/reasoning.py);
     low = 256                   # levels left out keep their defaults (REASONING_BUDGETS); none is always 0
     high = 2048
+
+    [agents]                    # /v1/responses (wafer/agents/)
+    subagent_model = "luna"     # Ultra's sub-agents run on this model or tier (default: the root's)
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class ServeConfig:
     routing: RoutingConfig
     memory_budget_gb: float | None = None
     reasoning: dict[str, int] = field(default_factory=lambda: dict(REASONING_BUDGETS))  # effort -> tokens
+    subagent_model: str | None = None  # [agents]: where Ultra's sub-agents run (None: the root's model)
 
     def prices(self) -> dict[str, dict[str, float]]:
         """Prices by the model name a completion carries: a local model's name, an upstream's model."""
@@ -293,8 +297,12 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
             setattr(routing, key, value)
         else:
             raise ConfigError(f"[routing] has no option {key!r}")
+    agents = raw.get("agents") or {}
+    if not isinstance(agents, dict) or set(agents) - {"subagent_model"} or \
+            not isinstance(agents.get("subagent_model", ""), str):
+        raise ConfigError("[agents] takes subagent_model = \"NAME\" (a model or tier) and nothing else")
     cfg = ServeConfig(models, upstreams, tiers, dict(raw.get("aliases") or {}), routing, raw.get("memory_budget_gb"),
-                      _reasoning(raw.get("reasoning", {})))
+                      _reasoning(raw.get("reasoning", {})), agents.get("subagent_model"))
     cfg.check()
     return cfg
 

@@ -176,6 +176,7 @@ def create_app(
     state_db: str | Path | None = None,
     responses: ResponsesService | None = None,
     prices: dict[str, dict[str, float]] | None = None,
+    subagent_model: str | None = None,
 ) -> FastAPI:
     """The HTTP app over local models (each with its engine) and, through the router, upstreams.
     `protect_metrics`: /metrics and the dashboard's data need the API key too (by default they are
@@ -183,7 +184,8 @@ def create_app(
     responses live (a SQLite path or a SQLAlchemy URL; by default a file under the data directory,
     made on first use). `responses`: the Responses API's service, when its model turns should run on
     something else than this app's own chat completions (a scripted model, in tests). `prices`: USD per
-    million tokens by model name, for the agents' cost accounting."""
+    million tokens by model name, for the agents' cost accounting. `subagent_model`: where Ultra's
+    sub-agents run unless a request says (default: the root's model)."""
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
@@ -203,7 +205,8 @@ def create_app(
 
     def responses_service() -> ResponsesService:
         if not agents:  # the store's file is made on the first use of the Responses API, not at start
-            agents.append(ResponsesService(InProcessChat(answer), ResponseStore(state_db), prices=prices))
+            agents.append(ResponsesService(InProcessChat(answer), ResponseStore(state_db), prices=prices,
+                                           subagent_model=subagent_model))
             agents[0].on_finish.append(metrics.agent_response)
         return agents[0]
 

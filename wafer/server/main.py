@@ -268,7 +268,7 @@ def serve(args: argparse.Namespace) -> int:
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
     app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics,
-                     state_db=args.state_db, prices=cfg.prices())
+                     state_db=args.state_db, prices=cfg.prices(), subagent_model=cfg.subagent_model)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, served, args.shutdown_grace)

@@ -231,3 +231,16 @@ def test_metrics_count_responses_by_mode(ptc):
     assert sample(after, key) - sample(before, key) == 2
     data = httpx.get(base + "/dashboard/data").json()["agents"]
     assert data["programmatic"]["responses"] >= 2 and data["programmatic"]["tokens_read"] > 0
+
+
+def test_without_a_sandbox_programmatic_calling_is_refused(ptc, monkeypatch):
+    import wafer.agents.responses as responses
+
+    client, script, _ = ptc
+    monkeypatch.setattr(responses, "check_sandbox", lambda: "bwrap is not installed")
+    script.turns[:] = [[("run_program", {"code": "text(1)"})]]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="go", tools=TOOLS)
+    assert e.value.body["code"] == "sandbox_unavailable" and "bwrap is not installed" in e.value.body["message"]
+    assert script.turns  # no model turn ran, so no program could
+    script.turns.clear()

@@ -5,6 +5,7 @@ the tools: once with the tools offered directly, once with them behind `programm
 Per task and mode it prints the tokens the model read and wrote, the model turns, the wall time and
 whether the answer matched.
 
+- Ultra: N parts at once against the same parts one after another; Max: tokens and time per effort.
 - The scripted rows: a policy that makes the best calls in each mode, on a backend that counts
   tokens as a real model would (the chat template of --count-model with the tools, through its
   tokenizer). These measure what PTC saves when the model does its part well.
@@ -263,9 +264,9 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
     sub-agent would run it (its instructions, its budget), greedy so that both write the same."""
     print(f"\nUltra on {model}: N parts at once against the same N parts one after another, greedy; "
           f"each part up to {AGENT_TOKENS} tokens")
-    print("| N | Ultra wall s | of which plan s | agents s | synthesis s | sequential wall s | speed-up | "
-          "Ultra tokens written | sequential tokens written |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| N | Ultra wall s | of which plan s | agents s | synthesis s | sequential wall s | speed-up, whole | "
+          "speed-up, the parts (agents s vs sequential) | Ultra tokens written | sequential tokens written |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in ns:
         task = "Write a short paragraph about each of these animals: " + ", ".join(ANIMALS[:n]) + "."
         t0 = time.perf_counter()
@@ -288,7 +289,25 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
         seq = time.perf_counter() - t0
         sub_tokens = sum(a["output_tokens"] for name, a in acct["agents"].items() if name != "root")
         print(f"| {n} | {wall:.2f} | {plan_s:.2f} | {agents_s:.2f} | {synth_s:.2f} | {seq:.2f} | {seq / wall:.2f}x | "
-              f"{sub_tokens} | {seq_tokens} |")
+              f"{seq / agents_s:.2f}x | {sub_tokens} | {seq_tokens} |")
+
+
+def max_rows(client: openai.OpenAI, model: str, efforts: list[str]) -> None:
+    """Max: the same question at each reasoning effort, greedy."""
+    question = ("A farmer has 17 sheep. All but 9 run away. He then buys twice as many as he has left. "
+                "How many sheep does he have now?")
+    print(f"\nMax on {model}: one question at each reasoning.effort, greedy (answer: 27)")
+    print("| effort | reasoning tokens | answer tokens | output tokens | wall s | answer |")
+    print("|---|---|---|---|---|---|")
+    for effort in efforts:
+        t0 = time.perf_counter()
+        r = client.responses.create(model=model, input=question, temperature=0, max_output_tokens=1200,
+                                    reasoning={"effort": effort})
+        wall = time.perf_counter() - t0
+        thought = r.usage.output_tokens_details.reasoning_tokens
+        answer = " ".join(r.output_text.split())[:70]
+        print(f"| {effort} | {thought} | {r.usage.output_tokens - thought} | {r.usage.output_tokens} | {wall:.2f} | "
+              f"{answer} |")
 
 
 def main() -> None:
@@ -297,6 +316,7 @@ def main() -> None:
                     "turns' tokens (default sol: Qwen2.5-Coder-1.5B-Instruct)")
     ap.add_argument("--real", action="append", default=[], help="also run on this tier or model (repeatable)")
     ap.add_argument("--ultra", default="4,8,16", help="Ultra's N to measure on the default model ('' for none)")
+    ap.add_argument("--max", default="none,minimal,low,medium", help="Max's efforts to measure on the default model")
     args = ap.parse_args()
     state = Path(tempfile.mkdtemp()) / "state.db"
 
@@ -310,11 +330,14 @@ def main() -> None:
             script.policy = task.direct if mode == "direct" else _ptc_policy(task)
             rows.append((task.name, mode, run_task(client, "scripted", task, mode)))
     server.stop()
-    if args.ultra:
+    if args.ultra or args.max:
         served = build_served(small, ["SmolLM2-135M-Instruct"], 16, 64, 4096, 256)
         server = serve_app(create_app(served, state_db=state), served)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=900)
-        ultra_rows(client, "SmolLM2-135M-Instruct", [int(n) for n in args.ultra.split(",")])
+        if args.ultra:
+            ultra_rows(client, "SmolLM2-135M-Instruct", [int(n) for n in args.ultra.split(",")])
+        if args.max:
+            max_rows(client, "SmolLM2-135M-Instruct", args.max.split(","))
         server.stop()
     table(f"scripted policy (tokens counted with {find(args.count_model).name if find(args.count_model) else args.count_model}'s "
           "template and tokenizer)", rows)

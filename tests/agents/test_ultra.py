@@ -260,3 +260,27 @@ def test_the_agents_sdk_reaches_ultra_and_max_by_model_name_and_effort(scripted)
     first, second = asyncio.run(both())
     assert first.final_output.count("result of agent_") == 4
     assert second.final_output == "done" and script.bodies[-1]["reasoning_effort"] == "high"
+
+
+def test_results_too_long_for_the_context_are_cut_for_the_synthesis(scripted):
+    from wafer.errors import APIError
+
+    client, script = scripted
+    team = Team(2)
+    tries = []
+
+    async def policy(body):  # type: ignore[no-untyped-def]
+        if agent_of(body) is None and not body.get("response_format"):
+            tries.append(len(body["messages"][-1]["content"]))
+            if len(tries) == 1:
+                raise APIError(400, "too long", "invalid_request_error", "messages", "context_length_exceeded")
+            return "merged"
+        if agent_of(body):
+            return "x" * 4000
+        return await team(body)
+
+    script.policy = policy
+    r = client.responses.create(model=MODEL + "-ultra", input="Two?",
+                                extra_body={"multi_agent": {"max_concurrent_subagents": 2}})
+    script.policy = None
+    assert r.output_text == "merged" and len(tries) == 2 and tries[1] < tries[0] - 3000

@@ -263,19 +263,32 @@ class Ultra:
 
     async def _synthesis(self, root: Plan, state: dict[str, Any], relay: Relay,
                          usage_by_agent: dict[str, dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-        results = "\n\n".join(f"{name} ({a['part']}):\n{a.get('result', '')}" for name, a in state["agents"].items())
-        note = {"id": new_id("msg"), "type": "message", "role": "user", "status": "completed",
-                "content": [{"type": "input_text", "text": "Results of the agents:\n\n" + results}]}
         said = [i for i in root.history + root.new_items if i["type"] == "message"]
-        synth = self._derived(root, "root", SYNTHESIS, [], said + [note], False,
-                              root.req.max_output_tokens, root.response_format)
-        async for event in self.service._model_turn(synth, Events(), []):
-            if event["type"] == "incomplete":
-                yield event
+        longest = max((len(a.get("result", "")) for a in state["agents"].values()), default=0)
+        for attempt in range(4):
+            # Each result cut to a share of what the model's context takes, when all of them do not fit.
+            cut = longest if attempt == 0 else longest >> attempt
+            results = "\n\n".join(f"{name} ({a['part']}):\n{a.get('result', '')[:cut]}"
+                                   for name, a in state["agents"].items())
+            note = {"id": new_id("msg"), "type": "message", "role": "user", "status": "completed",
+                    "content": [{"type": "input_text", "text": "Results of the agents:\n\n" + results}]}
+            synth = self._derived(root, "root", SYNTHESIS, [], said + [note], False,
+                                  root.req.max_output_tokens, root.response_format)
+            started = False
+            try:
+                async for event in self.service._model_turn(synth, Events(), []):
+                    started = True
+                    if event["type"] == "incomplete":
+                        yield event
+                        continue
+                    out = relay(synth, event, False)
+                    if out is not None:
+                        yield out
+            except APIError as e:
+                if started or e.code != "context_length_exceeded" or attempt == 3:
+                    raise
                 continue
-            out = relay(synth, event, False)
-            if out is not None:
-                yield out
+            break
         spent = self._absorb(root, synth)
         before = usage_by_agent.get("root") or {k: 0 for k in spent}
         usage_by_agent["root"] = {k: before[k] + spent[k] for k in spent}

@@ -229,8 +229,11 @@ def test_metrics_count_responses_by_mode(ptc):
     assert sample(after, key) - sample(before, key) == 1
     key = 'wafer:agent_model_turns_total{mode="programmatic"}'
     assert sample(after, key) - sample(before, key) == 2
+    key = 'wafer:agent_seconds_total{mode="programmatic"}'
+    assert sample(after, key) > sample(before, key)
     data = httpx.get(base + "/dashboard/data").json()["agents"]
     assert data["programmatic"]["responses"] >= 2 and data["programmatic"]["tokens_read"] > 0
+    assert data["programmatic"]["seconds"] > 0 and data["programmatic"]["cost_usd"] == 0  # no prices here
 
 
 def test_without_a_sandbox_programmatic_calling_is_refused(ptc, monkeypatch):

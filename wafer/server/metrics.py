@@ -140,6 +140,10 @@ class ServerMetrics:
                                     "/v1/responses, by mode.", ["mode", "direction"], registry=r)
         self.agent_turns = Counter("wafer:agent_model_turns", "Model turns behind /v1/responses, by mode.", ["mode"],
                                    registry=r)
+        self.agent_cost = Counter("wafer:agent_cost_usd", "Cost of /v1/responses by mode, from the prices in "
+                                  "wafer.toml.", ["mode"], registry=r)
+        self.agent_seconds = Counter("wafer:agent_seconds", "Wall time of /v1/responses by mode (a task's time is "
+                                     "the sum over its responses).", ["mode"], registry=r)
         self.agent_tool_calls = Counter("wafer:agent_tool_calls", "Tool calls by their caller: the model (direct) "
                                         "or a program (programmatic).", ["caller"], registry=r)
         self.agent_programs = Histogram("wafer:agent_program_seconds", "Running time of each program (not counting "
@@ -182,6 +186,8 @@ class ServerMetrics:
         self.agent_tokens.labels(mode, "input").inc(usage.get("input_tokens", 0))
         self.agent_tokens.labels(mode, "output").inc(usage.get("output_tokens", 0))
         self.agent_turns.labels(mode).inc(len(acct.get("turns") or []))
+        self.agent_cost.labels(mode).inc(acct.get("cost_usd") or 0.0)
+        self.agent_seconds.labels(mode).inc(acct.get("seconds") or 0.0)
         for caller, n in (acct.get("tool_calls") or {}).items():
             self.agent_tool_calls.labels(caller).inc(n)
         for run in acct.get("programs") or []:
@@ -194,10 +200,11 @@ class ServerMetrics:
         self.errors.labels(model, str(status)).inc()
 
     def _agents(self) -> dict[str, dict[str, float]]:
-        """Per mode of /v1/responses: responses, tokens read and written, model turns."""
+        """Per mode of /v1/responses: responses, tokens read and written, model turns, seconds, cost."""
         out: dict[str, dict[str, float]] = {}
         for counter, key in ((self.agent_responses, "responses"), (self.agent_tokens, None),
-                             (self.agent_turns, "turns")):
+                             (self.agent_turns, "turns"), (self.agent_cost, "cost_usd"),
+                             (self.agent_seconds, "seconds")):
             for metric in counter.collect():
                 for s in metric.samples:
                     if s.name.endswith("_total"):

@@ -115,7 +115,8 @@ async function tick() {
       body.replaceChildren(...modes.map((m) => {
         const row = document.createElement("tr");
         const a = d.agents[m];
-        [m, a.responses || 0, a.turns || 0, a.tokens_read || 0, a.tokens_written || 0].forEach((v) => {
+        [m, a.responses || 0, a.turns || 0, a.tokens_read || 0, a.tokens_written || 0,
+         (a.seconds || 0).toFixed(1), (a.cost_usd || 0).toFixed(4)].forEach((v) => {
           const cell = document.createElement("td");
           cell.textContent = v;
           row.appendChild(cell);

@@ -238,6 +238,7 @@ def test_each_response_accounts_for_its_turns_and_the_task_so_far(scripted):
         assert turn["model"] == MODEL
         assert a["cost_usd"] == pytest.approx((2.0 * r.usage.input_tokens + 10.0 * r.usage.output_tokens) / 1e6)
     assert a1["tool_calls"] == {"direct": 1, "programmatic": 0} and a2["tool_calls"]["direct"] == 0
+    assert a1["mode"] == a2["mode"] == "direct"
     task = a2["task"]
     assert task["responses"] == 2 and task["model_turns"] == 2 and task["tool_calls"] == 1
     assert task["input_tokens"] == first.usage.input_tokens + second.usage.input_tokens
@@ -255,6 +256,8 @@ def test_reasoning_comes_as_a_reasoning_item_before_the_answer(scripted):
     assert [i.type for i in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == "two plus two is four" and r.output_text == "4"
     assert r.usage.output_tokens_details.reasoning_tokens == 5 and r.usage.output_tokens == 6
+    acct = r.model_extra["accounting"]
+    assert acct["mode"] == "max" and acct["task"]["reasoning_tokens"] == 5
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")

@@ -8,7 +8,6 @@ import secrets
 import shutil
 import signal
 import socket
-import threading
 from pathlib import Path
 
 import pytest

@@ -102,6 +102,7 @@ def test_plan_agents_and_synthesis(scripted):
     assert r.output[-1].type == "message" and agents[-1] == "root"
     assert r.output_text == "Summary: result of agent_1; result of agent_2; result of agent_3"
     assert team.most == 3  # all three agents' turns were open at once
+    assert r.model_extra["accounting"]["mode"] == "ultra"
     per = r.model_extra["accounting"]["agents"]
     assert set(per) == {"root", "agent_1", "agent_2", "agent_3"}
     assert sum(a["input_tokens"] for a in per.values()) == r.usage.input_tokens

@@ -136,16 +136,3 @@ def test_dashboard_percentiles_match_wafer_bench(benched):
         for p in ("p50", "p95"):
             want = report[theirs][p]
             assert abs(d[f"{mine}_{p}"] - want) <= tolerance(want), (mine, p, d[f"{mine}_{p}"], want)
-
-
-@pytest.mark.parametrize("response, mode", [
-    ({"accounting": {"ultra": {"n": 4}, "programs": [{}]}, "reasoning": {"effort": "high"}}, "ultra"),
-    ({"accounting": {"programs": []}, "reasoning": {"effort": "low"}}, "max"),
-    ({"accounting": {"programs": [], "tool_calls": {"programmatic": 2}}, "reasoning": {"effort": "none"}},
-     "programmatic"),
-    ({"accounting": {"programs": [], "tool_calls": {"direct": 1}}, "reasoning": {"effort": None}}, "direct"),
-])
-def test_agent_mode_of_a_response(response, mode):
-    from wafer.server.metrics import mode_of
-
-    assert mode_of(response) == mode

@@ -106,15 +106,14 @@ def test_budget_is_the_table_capped_so_the_answer_keeps_tokens():
 
 
 def test_native_thinking_is_read_from_the_template(thinking):
-    from gguf import GGUFReader
-
     from wafer.models import catalog
+    from wafer.models.loader import load_tokenizer
 
     assert reasoning.thinks_natively(thinking.served.chat_template.source)
     installed = [p for p in map(catalog.installed_path, catalog.CATALOG) if p is not None]
     assert installed
     for path in installed:  # SmolLM2 and Qwen2.5-Coder have no thinking switch
-        assert not reasoning.thinks_natively(GGUFReader(str(path)).fields["tokenizer.chat_template"].contents())
+        assert not reasoning.thinks_natively(load_tokenizer(str(path)).chat_template)
 
 
 def test_reasoning_table_in_wafer_toml(tmp_path):

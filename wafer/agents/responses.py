@@ -261,10 +261,12 @@ class ResponsesService:
         own = {"responses": 1, "model_turns": len(a["turns"]),
                "input_tokens": sum(t["input_tokens"] for t in a["turns"]),
                "output_tokens": sum(t["output_tokens"] for t in a["turns"]),
+               "reasoning_tokens": sum(t.get("reasoning_tokens", 0) for t in a["turns"]),
                "tool_calls": sum(a["tool_calls"].values()), "program_runs": len(a["programs"]),
                "seconds": round(time.monotonic() - plan.started, 4),
                "cost_usd": round(sum(t["cost_usd"] for t in a["turns"]), 8)}
         a["seconds"], a["cost_usd"] = own["seconds"], own["cost_usd"]
+        a["mode"] = mode_of(plan)
         a["task"] = {k: round(v + plan.task_before.get(k, 0), 8) for k, v in own.items()}
 
     async def _turns(self, plan: Plan, ev: Events) -> AsyncIterator[dict[str, Any]]:
@@ -396,7 +398,8 @@ class ResponsesService:
         price = self.prices.get(model) or {}
         cost = (u["input"] * price.get("input", 0.0) + u["output"] * price.get("output", 0.0)) / 1e6
         plan.accounting["turns"].append({"model": model, "input_tokens": u["input"], "cached_tokens": u["cached"],
-                                         "output_tokens": u["output"], "cost_usd": round(cost, 8),
+                                         "output_tokens": u["output"], "reasoning_tokens": u["reasoning"],
+                                         "cost_usd": round(cost, 8),
                                          "seconds": round(time.monotonic() - started, 4)})
         for index in sorted(pending):
             call = pending[index]
@@ -498,6 +501,19 @@ class ResponsesService:
                 yield event
         plan.running.remove(program)
         self.pool.park(Parked(program, call_id, {c.call_id: c for c in result}, plan.rid, started, 0.0, ran))
+
+
+def mode_of(plan: Plan) -> str:
+    """How the response spent its compute: ultra (sub-agents), max (a reasoning effort), programmatic
+    (a program ran), or direct."""
+    a = plan.accounting
+    if a.get("ultra"):
+        return "ultra"
+    if plan.req.reasoning is not None and plan.req.reasoning.effort not in (None, "none"):
+        return "max"
+    if a["programs"] or a["tool_calls"]["programmatic"]:
+        return "programmatic"
+    return "direct"
 
 
 def _waiting(plan: Plan) -> bool:

@@ -28,19 +28,6 @@ def arrival() -> float:
     return time.monotonic() if at is None else at
 
 
-def mode_of(response: dict[str, Any]) -> str:
-    """How a /v1/responses response spent its compute: ultra (sub-agents), max (a reasoning budget),
-    programmatic (a program ran), or direct."""
-    acct = response.get("accounting") or {}
-    if acct.get("ultra"):
-        return "ultra"
-    if (response.get("reasoning") or {}).get("effort") not in (None, "none"):
-        return "max"
-    if acct.get("programs") or (acct.get("tool_calls") or {}).get("programmatic"):
-        return "programmatic"
-    return "direct"
-
-
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -133,7 +120,7 @@ class ServerMetrics:
                               ["rule", "tier"], registry=r)
         self.fallbacks = Counter("wafer:upstream_fallbacks", "Targets skipped because they could not answer.",
                                  ["target"], registry=r)
-        # /v1/responses, by mode (mode_of)
+        # /v1/responses, by the mode of its accounting (wafer/agents/responses.py: mode_of)
         self.agent_responses = Counter("wafer:agent_responses", "Responses of /v1/responses by mode and status.",
                                        ["mode", "status"], registry=r)
         self.agent_tokens = Counter("wafer:agent_tokens", "Tokens the model read (input) and wrote (output) for "
@@ -180,7 +167,7 @@ class ServerMetrics:
     def agent_response(self, response: dict[str, Any]) -> None:
         """Counts a finished /v1/responses response from its usage and accounting."""
         acct = response.get("accounting") or {}
-        mode = mode_of(response)
+        mode = acct.get("mode", "direct")
         self.agent_responses.labels(mode, response["status"]).inc()
         usage = response.get("usage") or {}
         self.agent_tokens.labels(mode, "input").inc(usage.get("input_tokens", 0))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -29,7 +28,7 @@ from wafer.router.upstream import UpstreamUnavailable, forward
 from wafer.server.chat import ChatHandler
 from wafer.server.completions import CompletionHandler
 from wafer.server.errors import APIError, CatchAll, error_response
-from wafer.server.generation import OFF_LOOP_BYTES, ServedModel, off_loop
+from wafer.server.generation import OFF_LOOP_BYTES, ServedModel, off_loop, unless_disconnect
 from wafer.server.in_process import InProcessChat
 from wafer.server.metrics import ServerMetrics, StatusCounter
 from wafer.server.loop_monitor import LoopMonitor
@@ -93,12 +92,6 @@ def _replay(chunks: list[bytes], final: Message | None, receive: Receive | None 
         return await receive()
 
     return replayed
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body was read: what receive() gives now is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _parse_json(raw: bytes) -> Any:
@@ -373,22 +366,13 @@ def create_app(
 
         async def consume() -> None:
             async for event in service.run(plan):
-                final.update(event.get("response") or {})
+                final["response"] = event.get("response", final.get("response"))  # the last event's is whole
 
-        work = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (work, watcher):
-                task.cancel()
-            await asyncio.gather(work, watcher, return_exceptions=True)
-        if not work.done() or work.cancelled():
+        if not await unless_disconnect(consume(), request):  # a client gone cancels every turn and program
             return JSONResponse({}, status_code=499)
-        work.result()
         if plan.failure is not None:
             raise plan.failure
-        return JSONResponse(final)
+        return JSONResponse(final["response"])
 
     @v1.get("/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:

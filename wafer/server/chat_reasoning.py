@@ -17,7 +17,7 @@ from wafer.engine.async_engine import EngineRequest
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.server import reasoning
 from wafer.server.errors import APIError, bad_request
-from wafer.server.generation import GenerationHandler, Phase, _Choice, off_loop, sse
+from wafer.server.generation import GenerationHandler, Phase, _Choice, off_loop, sse, unless_disconnect
 from wafer.server.protocol import ChatCompletionRequest
 from wafer.server.reasoning import ReasoningPlan
 from wafer.server.streaming import EventStreamResponse
@@ -113,7 +113,7 @@ class ReasonedChat(GenerationHandler):
                 kind, out = item  # type: ignore[misc]
                 self._fold(thought if kind == "reasoning" else c, out, rid)
 
-        if not await self._unless_disconnect(consume(), request, self._aborter(live)):
+        if not await unless_disconnect(consume(), request, self._aborter(live)):
             return JSONResponse({}, status_code=499)
         c.text, c.cached = c.text.lstrip(), run.cached
         choice = self._choice(c, lp is not None, bool(tools))

@@ -50,6 +50,32 @@ async def off_loop(heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args) if heavy else fn(*args)
 
 
+async def unless_disconnect(consume: Awaitable[None], request: Request, abort: Callable[[], None] | None = None) -> bool:
+    """Run `consume` to its end, or until the client goes (then `abort`, and False). An error of
+    `consume` is raised here."""
+
+    async def watch() -> None:
+        # The body was read: what receive() gives now is the disconnect, the moment it is known.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        if abort is not None:
+            abort()
+
+    work = asyncio.ensure_future(consume)
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+    if not work.done() or work.cancelled():
+        return False
+    work.result()
+    return True
+
+
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -271,30 +297,7 @@ class GenerationHandler:
             async for i, out in self._merge(streams, n_prompt):
                 self._fold(choices[i], out, rid)
 
-        return choices if await self._unless_disconnect(consume(), request, self._aborter(streams)) else None
-
-    async def _unless_disconnect(self, consume: Awaitable[None], request: Request, abort: Callable[[], None]) -> bool:
-        """Run `consume` to its end, or until the client goes (then `abort`, and False)."""
-
-        async def watch() -> None:
-            # The body was read: what receive() gives now is the disconnect, the moment it is known.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            abort()
-
-        work = asyncio.ensure_future(consume)
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (work, watcher):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(work, watcher, return_exceptions=True)
-        if not work.done() or work.cancelled():
-            return False
-        work.result()  # re-raises an APIError from _fold
-        return True
+        return choices if await unless_disconnect(consume(), request, self._aborter(streams)) else None
 
     def _fold(self, c: _Choice, out: Any, rid: str) -> None:
         if isinstance(out, EngineFailure):

@@ -42,7 +42,7 @@ class GraphedDecode:
         self.model = model
         self.caches = caches
         self.max_len = caches[0][0].shape[2]
-        self.window = model.config.sliding_window
+        self.windows = model.config.windows
         device = caches[0][0].device
         self.max_batch = max_batch
         self.sizes = buckets(max_batch)
@@ -57,7 +57,7 @@ class GraphedDecode:
             self._capture_all()
 
     def _forward(self, n: int, length: int) -> torch.Tensor:
-        batch = AttentionBatch.static_decode(self.slots[:n], self.positions[:n], length, self.window)
+        batch = AttentionBatch.static_decode(self.slots[:n], self.positions[:n], length, self.windows)
         return self.model(self.ids[:n], self.positions[:n], batch, self.caches)
 
     def _capture_all(self) -> None:

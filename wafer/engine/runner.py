@@ -10,8 +10,8 @@ from wafer.engine.scheduler import ScheduledSeq
 from wafer.models.attention import (
     AttentionBatch,
     PrefillChunk,
-    causal_mask,
-    decode_mask,
+    causal_masks,
+    decode_masks,
 )
 from wafer.models.fused_decode import FusedDecode
 from wafer.models.llama import LlamaModel
@@ -21,7 +21,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, cuda_graphs: bool = True) -> None:
         self.model = model
         self.kv = kv
-        self.window = model.config.sliding_window
+        self.windows = set(model.config.windows)
         self.device = kv.layers[0][0].device
         # One C++ call per step where the compute path allows it (q4 and q8 on wafer's kernels).
         self.fused = FusedDecode.build(model, kv.layers) if self.device.type == "cpu" else None
@@ -52,7 +52,7 @@ class ModelRunner:
             seq, start, n = item.seq, item.start, item.count
             if n > 1:
                 ctx = start + n
-                prefills.append(PrefillChunk(len(ids), n, seq.slot, ctx, causal_mask(start, n, self.window)))
+                prefills.append(PrefillChunk(len(ids), n, seq.slot, ctx, causal_masks(start, n, self.windows)))
             ids.extend(item.input_ids())
             positions.extend(range(start, start + n))
             slots.extend([seq.slot] * n)  # type: ignore[list-item]
@@ -67,7 +67,7 @@ class ModelRunner:
             decode_slots=torch.tensor(dec_slots, dtype=torch.long),
             decode_span=span,
             decode_len=dec_len,
-            decode_mask=decode_mask(dec_pairs, span, dec_len, self.window) if singles else None,
+            decode_masks=decode_masks(dec_pairs, span, dec_len, self.windows) if singles else {},
             decode_dense=dec_slots == list(range(span)),
             prefills=prefills,
         )

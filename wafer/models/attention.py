@@ -21,7 +21,7 @@ class PrefillChunk:
     length: int
     slot: int
     context_len: int  # tokens of this sequence in the cache once this chunk is written
-    mask: torch.Tensor  # [length, context_len] bool, True where a query may look
+    masks: dict[int | None, torch.Tensor]  # per attention window: [length, context_len] bool, True where a query may look
 
 
 @dataclass
@@ -38,28 +38,30 @@ class AttentionBatch:
     decode_slots: torch.Tensor  # [num_decode]
     decode_span: int  # attend over cache slots [0, decode_span)
     decode_len: int  # longest context among decode sequences
-    decode_mask: torch.Tensor | None  # [decode_span, 1, 1, decode_len] bool
+    decode_masks: dict[int | None, torch.Tensor]  # per attention window: [decode_span, 1, 1, decode_len] bool
     decode_dense: bool  # decode_slots == arange(decode_span): no scatter needed
     prefills: list[PrefillChunk]
     # Static shapes (CUDA graphs): decode tokens attend over the first decode_len positions of their
-    # slots, gathered, under decode_mask [num_decode, 1, 1, decode_len]; decode_span is unused.
+    # slots, gathered, under decode_masks [num_decode, 1, 1, decode_len]; decode_span is unused.
     static: bool = False
 
     @classmethod
     def static_decode(cls, slots: torch.Tensor, positions: torch.Tensor, max_len: int,
-                      window: int | None) -> AttentionBatch:
+                      windows: list[int | None]) -> AttentionBatch:
         """One token per sequence at `positions` (< max_len) of `slots`, attending over positions
         [0, max_len) under a mask built on their device from the positions alone, so that the whole
         step can be captured in a CUDA graph."""
         lens = (positions + 1).unsqueeze(1)
         k = torch.arange(max_len, device=positions.device).unsqueeze(0)
-        mask = k < lens
-        if window is not None:
-            mask &= k > lens - 1 - window
         n = slots.shape[0]
+        masks = {}
+        for window in set(windows):
+            mask = k < lens
+            if window is not None:
+                mask &= k > lens - 1 - window
+            masks[window] = mask.view(n, 1, 1, max_len)
         return cls(slots=slots, positions=positions, num_decode=n, decode_slots=slots, decode_span=0,
-                   decode_len=max_len, decode_mask=mask.view(n, 1, 1, max_len), decode_dense=False,
-                   prefills=[], static=True)
+                   decode_len=max_len, decode_masks=masks, decode_dense=False, prefills=[], static=True)
 
     def to(self, device: torch.device) -> AttentionBatch:
         """The same batch with its index tensors and masks on `device` (built on the CPU)."""
@@ -69,32 +71,30 @@ class AttentionBatch:
         return AttentionBatch(
             slots=move(self.slots), positions=move(self.positions), num_decode=self.num_decode,
             decode_slots=move(self.decode_slots), decode_span=self.decode_span, decode_len=self.decode_len,
-            decode_mask=None if self.decode_mask is None else move(self.decode_mask), decode_dense=self.decode_dense,
-            prefills=[PrefillChunk(c.start, c.length, c.slot, c.context_len, move(c.mask)) for c in self.prefills],
+            decode_masks={w: move(m) for w, m in self.decode_masks.items()}, decode_dense=self.decode_dense,
+            prefills=[PrefillChunk(c.start, c.length, c.slot, c.context_len, {w: move(m) for w, m in c.masks.items()})
+                      for c in self.prefills],
             static=self.static)
 
 
-def causal_mask(start_pos: int, length: int, window: int | None) -> torch.Tensor:
-    """[length, start_pos + length] mask for queries at start_pos.. over keys 0..end."""
+def causal_masks(start_pos: int, length: int, windows: set[int | None]) -> dict[int | None, torch.Tensor]:
+    """Per window, the [length, start_pos + length] mask for queries at start_pos.. over keys 0..end."""
     q = torch.arange(start_pos, start_pos + length).unsqueeze(1)
     k = torch.arange(start_pos + length).unsqueeze(0)
-    mask = k <= q
-    if window is not None:
-        mask &= k > q - window
-    return mask
+    causal = k <= q
+    return {w: causal if w is None else causal & (k > q - w) for w in windows}
 
 
-def decode_mask(lengths: list[tuple[int, int]], span: int, max_len: int, window: int | None) -> torch.Tensor:
-    """[span, 1, 1, max_len] mask for one query per (slot, length) at position length-1."""
+def decode_masks(lengths: list[tuple[int, int]], span: int, max_len: int,
+                 windows: set[int | None]) -> dict[int | None, torch.Tensor]:
+    """Per window, the [span, 1, 1, max_len] mask for one query per (slot, length) at position length-1."""
     lens = torch.zeros(span, dtype=torch.long)
     for slot, n in lengths:
         lens[slot] = n
-    lens = lens.clamp(min=1)  # unused slots look at one key instead of none (avoids NaN rows)
+    lens = lens.clamp(min=1).unsqueeze(1)  # unused slots look at one key instead of none (avoids NaN rows)
     k = torch.arange(max_len).unsqueeze(0)
-    mask = k < lens.unsqueeze(1)
-    if window is not None:
-        mask &= k > (lens.unsqueeze(1) - 1 - window)
-    return mask.view(span, 1, 1, max_len)
+    causal = k < lens
+    return {w: (causal if w is None else causal & (k > lens - 1 - w)).view(span, 1, 1, max_len) for w in windows}
 
 
 def attend(
@@ -105,8 +105,10 @@ def attend(
     v_cache: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [N, H, D]; k, v: [N, Hkv, D] (already rotated). Writes k, v to the cache; returns [N, H, D]."""
+    """q: [N, H, D]; k, v: [N, Hkv, D] (already rotated). Writes k, v to the cache; returns [N, H, D].
+    `window`: this layer's attention window (None: the whole context); the batch holds its masks."""
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -120,7 +122,7 @@ def attend(
         length = batch.decode_len
         o = F.scaled_dot_product_attention(qd, k_cache[:, :, :length][batch.decode_slots],
                                            v_cache[:, :, :length][batch.decode_slots],
-                                           attn_mask=batch.decode_mask, scale=scale)
+                                           attn_mask=batch.decode_masks[window], scale=scale)
         out[:nd] = o.reshape(nd, n_heads, head_dim)
     elif nd:
         span, length = batch.decode_span, batch.decode_len
@@ -130,7 +132,8 @@ def attend(
             full[batch.decode_slots] = qd
             qd = full
         o = F.scaled_dot_product_attention(
-            qd, k_cache[:span, :, :length], v_cache[:span, :, :length], attn_mask=batch.decode_mask, scale=scale
+            qd, k_cache[:span, :, :length], v_cache[:span, :, :length], attn_mask=batch.decode_masks[window],
+            scale=scale,
         )
         if not batch.decode_dense:
             o = o[batch.decode_slots]
@@ -142,7 +145,7 @@ def attend(
         qc = qc.permute(1, 2, 0, 3).reshape(1, n_kv, group * t, head_dim)
         kc = k_cache[chunk.slot : chunk.slot + 1, :, : chunk.context_len]
         vc = v_cache[chunk.slot : chunk.slot + 1, :, : chunk.context_len]
-        mask = chunk.mask.repeat(group, 1)
+        mask = chunk.masks[window].repeat(group, 1)
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
         o = o.view(n_kv, group, t, head_dim).permute(2, 0, 1, 3)
         out[chunk.start : chunk.start + t] = o.reshape(t, n_heads, head_dim)

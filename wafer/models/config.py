@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Architectures served by the one model definition in llama.py.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Architectures served by llama.py's model definition, and gemma3 by gemma3.py's (families.py).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
 
 
 @dataclass

@@ -41,7 +41,7 @@ class FusedDecode:
         kernels.load()'s); None unless every linear layer runs on wafer's block kernels (the q4 and
         q8 paths)."""
         ext = ext or kernels()
-        if ext is None:
+        if ext is None or not isinstance(model, LlamaModel):  # the C++ step is the Llama block (Gemma 3 is not)
             return None
         head = _linear(model.lm_head)
         flat: list[torch.Tensor] = []

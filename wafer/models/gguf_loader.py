@@ -30,6 +30,16 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 names its four block norms and its QK norms on top of these; its ffn_norm comes before
+# the MLP as in Llama, but Llama calls that one post_attention_layernorm.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -37,12 +47,13 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -70,6 +81,7 @@ class GGUFTokenizerData:
     add_bos: bool
     chat_template: str | None
     extra_eos_ids: list[int] = field(default_factory=list)
+    add_space_prefix: bool = True  # sentencepiece's dummy prefix ("▁" before the text); Gemma has none
 
 
 class GGUFFile:
@@ -84,12 +96,13 @@ class GGUFFile:
         self.meta: dict[str, Any] = {k: v for k, v in self.fields.items() if k not in skip}
         self.tensors = {t.name: t for t in self.header.tensors}
         self._map: mmap.mmap | None = None
-        self._by_hf_name = {hf_name(g): g for g in self.tensors if hf_name(g)}
         self.arch = self.meta.get("general.architecture")
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{path}: architecture {self.arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        named = ((hf_name(g, self.arch), g) for g in self.tensors)
+        self._by_hf_name = {h: g for h, g in named if h}
         self.config = self._config()
         self._check_extents()
 
@@ -118,6 +131,9 @@ class GGUFFile:
                 extra["rope_freq_factors"] = torch.from_numpy(
                     np.array(dequantize(self.header.data(freq), freq.tensor_type), dtype=np.float32).reshape(-1))
             qtype = self.meta.get("general.file_type")
+            layer_windows = None
+            if a == "gemma3":
+                layer_windows = self._gemma3_layers(extra, int(key("block_count")), hidden, n_heads)
             return ModelConfig(
                 arch=a,
                 vocab_size=int(key("vocab_size", n_tokens)),
@@ -134,12 +150,31 @@ class GGUFFile:
                 attention_bias="blk.0.attn_q.bias" in self.tensors,
                 tie_word_embeddings="output.weight" not in self.tensors,
                 sliding_window=key("attention.sliding_window"),
+                layer_windows=layer_windows,
                 name=str(self.meta.get("general.name", self.path.stem)),
                 quantization=_file_type_name(qtype, self.header.tensors),
                 extra=extra,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: GGUF metadata is missing or invalid ({e})") from e
+
+    def _gemma3_layers(self, extra: dict[str, Any], n_layers: int, hidden: int, n_heads: int) -> list[int | None]:
+        """Gemma 3's per-layer windows, and in `extra` what its file leaves to the reader's
+        knowledge: the windowed layers' RoPE base and the query scaling (llama.cpp's rules)."""
+        a = self.arch
+        window = self.meta.get(f"{a}.attention.sliding_window")
+        if window is None:
+            raise KeyError(f"{a}.attention.sliding_window")
+        pattern = self.meta.get(f"{a}.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # newer converters: one flag per layer, True where windowed
+            windowed = [bool(x) for x in pattern]
+        else:  # every `pattern`-th layer is global (transformers' sliding_window_pattern)
+            windowed = [(i + 1) % int(pattern) != 0 for i in range(n_layers)]
+        extra["rope_local_theta"] = float(self.meta.get(f"{a}.rope.freq_base_swa", 10000.0))
+        # The 27B model (62 layers) scales queries by hidden / heads, the others by the head dim.
+        head_dim = int(self.meta.get(f"{a}.attention.key_length", hidden // n_heads))
+        extra["query_pre_attn_scalar"] = hidden / n_heads if n_layers == 62 else float(head_dim)
+        return [int(window) if w else None for w in windowed]
 
     def raw(self, name: str) -> tuple[torch.Tensor, GGMLQuantizationType, int] | None:
         """The tensor under its Hugging Face name as the file holds it: (bytes [rows, row bytes]
@@ -205,6 +240,7 @@ class GGUFFile:
             add_bos=bool(m.get("tokenizer.ggml.add_bos_token", m.get("tokenizer.ggml.model") == "llama")),
             chat_template=m.get("tokenizer.chat_template"),
             extra_eos_ids=[int(m["tokenizer.ggml.eot_token_id"])] if "tokenizer.ggml.eot_token_id" in m else [],
+            add_space_prefix=bool(m.get("tokenizer.ggml.add_space_prefix", True)),
         )
 
     def scores(self) -> list[float] | None:

@@ -16,6 +16,7 @@ from wafer.models.chat_template import ChatTemplate
 from wafer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from wafer.models.generation_defaults import model_defaults
 from wafer.models.gguf_loader import GGUFFile
+from wafer.models.gemma3 import Gemma3Model
 from wafer.models.llama import LlamaModel
 from wafer.models.tokenizer import TextTokenizer
 from wafer.models.block_model import build_block_model
@@ -27,7 +28,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | Gemma3Model
     config: ModelConfig
     tokenizer: TextTokenizer
     chat_template: ChatTemplate
@@ -85,6 +86,10 @@ def _config_from_hf(path: Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file}: invalid JSON ({e})") from e
     arch = c.get("model_type")
+    if arch in ("gemma3", "gemma3_text"):
+        # Its checkpoints store norms as (weight - 1) and its settings under text_config: only its
+        # GGUF files (norms stored whole) are read.
+        raise ModelLoadError(f"{cfg_file}: Gemma 3 is served from its GGUF file, not a Hugging Face directory")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{cfg_file}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -155,7 +160,7 @@ def _load_hf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None
                        sampling=sampling, sampling_source=source)
 
 
-def _build(cfg: ModelConfig, get, dtype, progress, path: Path) -> LlamaModel:  # type: ignore[no-untyped-def]
+def _build(cfg: ModelConfig, get, dtype, progress, path: Path) -> LlamaModel | Gemma3Model:  # type: ignore[no-untyped-def]
     try:
         return build_model(cfg, get, dtype, (lambda i: progress(i, cfg.num_layers)) if progress else None)
     except KeyError as e:

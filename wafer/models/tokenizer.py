@@ -89,10 +89,11 @@ def tokenizer_from_gguf(data: GGUFTokenizerData, scores: list[float] | None = No
         merges = [tuple(m.split(" ", 1)) for m in data.merges] or _merges_from_scores(data.tokens, scores)
         unk = next((t for t in data.tokens if t == "<unk>"), None)
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True, unk_token=unk))
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-        )
+        # Gemma's sentencepiece adds no space before the text (tokenizer.ggml.add_space_prefix false).
+        prefix = [normalizers.Prepend("▁")] if data.add_space_prefix else []
+        tok.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+        strip = [decoders.Strip(" ", 1, 0)] if data.add_space_prefix else []
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     else:
         raise ValueError(f"tokenizer model {data.model!r} is not supported")
     special = [

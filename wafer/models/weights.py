@@ -1,4 +1,4 @@
-"""Build a LlamaModel from a config and tensors named as in Hugging Face checkpoints."""
+"""Build a model (families.py) from a config and tensors named as in Hugging Face checkpoints."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 
 from wafer.models.config import ModelConfig
+from wafer.models.families import new_model
+from wafer.models.gemma3 import Gemma3Model
 from wafer.models.llama import LlamaModel
 
 # Tensors get fetched lazily by name so that a loader never holds two copies of the model.
@@ -18,10 +20,10 @@ def build_model(
     get: TensorSource,
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int], None] | None = None,
-) -> LlamaModel:
+) -> LlamaModel | Gemma3Model:
     """Make the model on the meta device and assign real tensors, fusing QKV and gate/up."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = new_model(cfg)
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -31,7 +33,6 @@ def build_model(
 
     state: dict[str, torch.Tensor] = {}
     state["embed_tokens.weight"] = need("model.embed_tokens.weight")
-    state["norm.weight"] = need("model.norm.weight")
     head = None if cfg.tie_word_embeddings else get("lm_head.weight")
     if head is None:
         cfg.tie_word_embeddings = True
@@ -48,10 +49,11 @@ def build_model(
         mlp = p + "mlp."
         state[q + "mlp.gate_up_proj.weight"] = torch.cat([need(mlp + "gate_proj.weight"), need(mlp + "up_proj.weight")])
         state[q + "mlp.down_proj.weight"] = need(mlp + "down_proj.weight")
-        state[q + "input_layernorm.weight"] = need(p + "input_layernorm.weight")
-        state[q + "post_attention_layernorm.weight"] = need(p + "post_attention_layernorm.weight")
         if progress:
             progress(i + 1)
+    for name, _ in model.named_parameters():
+        if name.endswith("norm.weight"):  # each family's own set of norms, named as in its checkpoints
+            state[name] = need("model." + name)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

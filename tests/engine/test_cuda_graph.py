@@ -35,7 +35,7 @@ def test_static_decode_equals_the_ordinary_path(tmp_path, arch, kw):
     kv = KVCache.for_model(loaded.model, 4, 64)
     runner = ModelRunner(loaded.model, kv)
     # Context buckets of 16, 32 and 64 positions: the sequences cross from the first to the second.
-    static = GraphedDecode(loaded.model, kv.layers, 4, capture=False, min_length=16)
+    static = GraphedDecode(loaded.model, kv, 4, capture=False, min_length=16)
     assert static.lengths == [16, 32, 64]
     seqs = prefill(runner, kv, PROMPTS)
     for _ in range(12):  # past the window of 8
@@ -56,7 +56,7 @@ def test_captured_graphs_equal_eager_on_cuda(tmp_path):
     kv = KVCache.for_model(loaded.model, 4, 64)
     runner = ModelRunner(loaded.model, kv)  # captures graphs for 1, 2 and 4 sequences
     assert runner.graphed is not None and runner.graphed.graphs
-    eager = GraphedDecode(loaded.model, kv.layers, 4, capture=False)
+    eager = GraphedDecode(loaded.model, kv, 4, capture=False)
     seqs = prefill(runner, kv, PROMPTS)
     for _ in range(6):
         args = ([s.tokens[s.num_cached] for s in seqs], [s.num_cached for s in seqs], [s.slot for s in seqs])

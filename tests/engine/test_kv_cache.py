@@ -1,11 +1,13 @@
-"""The prefix index of the KV cache: chained block hashes, references per block, LRU eviction,
-and copies that really carry the KV (checked on the tensors, no model needed)."""
+"""The KV cache in blocks: blocks taken as sequences grow and given back when they end, a shared
+prefix referenced rather than copied, least-recently-freed eviction of cached prefixes, and the
+pool's limit (checked on the tensors and tables, no model needed)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from wafer.engine.kv_cache import BLOCK, KVCache
+from wafer.engine.kv_cache import BLOCK, KVCache, KVCacheFull
 from wafer.models.config import ModelConfig
 
 CFG = ModelConfig("llama", 100, 8, 16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
@@ -14,65 +16,111 @@ CFG = ModelConfig("llama", 100, 8, 16, num_layers=2, num_heads=2, num_kv_heads=1
 
 def fill(kv: KVCache, slot: int, tokens: list[int], n: int) -> None:
     """Pretend a forward pass wrote KV for tokens[:n]: each position's keys hold its token id."""
-    for k, v in kv.layers:
-        k[slot, :, :n] = torch.tensor(tokens[:n], dtype=torch.float32).view(1, n, 1)
-        v[slot, :, :n] = -k[slot, :, :n]
+    kv.reserve(slot, n)
+    blocks = kv.blocks_of(slot)
+    for p in range(n):
+        for k, v in kv.layers:
+            k[blocks[p // BLOCK], :, p % BLOCK] = float(tokens[p])
+            v[blocks[p // BLOCK], :, p % BLOCK] = -float(tokens[p])
     kv.set_length(slot, n)
 
 
-def test_blocks_are_found_by_prefix_hash_and_reference_counted() -> None:
+def keys(kv: KVCache, slot: int, n: int) -> list[float]:
+    """The first key element of the slot's first n positions, read through its table."""
+    table = kv.tables[slot]
+    return [float(kv.layers[0][0][table[p // BLOCK], 0, p % BLOCK, 0]) for p in range(n)]
+
+
+def test_a_shared_prefix_is_referenced_not_copied() -> None:
     kv = KVCache(CFG, num_slots=3, max_len=128)
     system = list(range(1, 2 * BLOCK + 5))  # two full blocks and a bit
     a = system + [90, 91, 92]
     sa, reused = kv.allocate(a)
     assert reused == 0 and kv.num_cached_blocks == 0
     fill(kv, sa, a, len(a))
-    assert kv.block_refs(a) == [1, 1]  # findable while still running
+    assert kv.block_refs(a) == [1, 1]  # findable while a still runs; its partial third block is not
+    used = kv.num_blocks - kv.num_free_blocks
     b = system + [50] * 20
-    sb, reused = kv.allocate(b)  # shares the system prompt with a running sequence: copied
-    assert sb != sa and reused == len(system)
-    assert torch.equal(kv.layers[0][0][sb, :, :reused], kv.layers[0][0][sa, :, :reused])
+    sb, reused = kv.allocate(b)
+    assert sb != sa and reused == 2 * BLOCK
+    # The same storage, not a copy: b's table names a's blocks, and no block was taken for them.
+    assert kv.blocks_of(sb) == kv.blocks_of(sa)[:2]
+    assert kv.num_blocks - kv.num_free_blocks == used
+    assert keys(kv, sb, reused) == [float(t) for t in system[:reused]]
     fill(kv, sb, b, len(b))
-    assert kv.block_refs(system) == [2, 2]  # both slots hold both shared blocks
-    kv.free(sa, a)
-    kv.free(sb, b)
-    assert kv.num_used == 0 and kv.num_free == 3
-    # b's tail block is b's alone; the shared ones are referenced twice.
-    assert kv.block_refs(b) == [2, 2, 1]
-    # A third prompt continues b entirely: b's slot is taken over without a copy.
+    assert kv.block_refs(system) == [2, 2]
+    assert kv.blocks_of(sb)[2] not in kv.blocks_of(sa)  # b's own tokens went to a block of its own
+    kv.free(sa)
+    kv.free(sb)
+    assert kv.num_used == 0 and kv.num_free == 3 and kv.usage == 0.0
+    assert kv.block_refs(b) == [0, 0, 0]  # unreferenced, still findable
     c = b + [7, 8, 9]
     sc, reused = kv.allocate(c)
-    assert sc == sb and reused == len(b)
-    assert kv.prefix_hit_tokens == len(system) + len(b)
+    assert reused == 3 * BLOCK and keys(kv, sc, reused) == [float(t) for t in c[:reused]]
+    assert kv.prefix_hit_tokens == 2 * BLOCK + 3 * BLOCK
 
 
-def test_eviction_drops_blocks_and_reuses_the_slot() -> None:
+def test_the_block_of_the_prompts_last_token_is_never_shared() -> None:
+    """The last prompt token is always computed (its logits give the first output token), and its
+    KV is written: that block must be the sequence's own."""
     kv = KVCache(CFG, num_slots=2, max_len=128)
-    x, y, z = ([t] * (2 * BLOCK) for t in (1, 2, 3))
-    for p in (x, y):
-        s, _ = kv.allocate(p)
-        fill(kv, s, p, len(p))
-        kv.free(s, p)
-    assert kv.block_refs(x) == [1, 1] and kv.block_refs(y) == [1, 1]
-    s, reused = kv.allocate(z)  # nothing shared, no cold slot: x's slot (least recently used) goes
-    assert reused == 0 and s == 0
-    assert kv.block_refs(x) == [] and kv.block_refs(y) == [1, 1]
-    fill(kv, s, z, len(z))
-    assert kv.layers[0][0][s, 0, : len(z), 0].tolist() == [3.0] * len(z)  # the evicted storage now holds z
-    kv.free(s, z)
-    s2, reused = kv.allocate(x + [4])
-    assert reused == 0  # x is really gone
-    kv.free(s2)
-    assert kv.allocate(z + [5])[1] == len(z)  # z's blocks in the reused slot are found
-
-
-def test_partial_match_inside_a_block_and_no_prompt() -> None:
-    kv = KVCache(CFG, num_slots=3, max_len=128)
-    a = list(range(40))
+    a = list(range(1, 2 * BLOCK + 1))  # exactly two blocks
     s, _ = kv.allocate(a)
     fill(kv, s, a, len(a))
-    kv.free(s, a)
-    b = a[:37] + [99, 98]  # diverges inside the third block: the shared 37 tokens are reused
-    assert kv.allocate(b)[1] == 37
+    kv.free(s)
+    assert kv.allocate(a)[1] == BLOCK  # the same prompt again: the second block holds its last token
+
+
+def test_memory_follows_the_tokens_held() -> None:
+    kv = KVCache(CFG, num_slots=4, max_len=256, num_blocks=10)
+    s, _ = kv.allocate()
+    for n, blocks in ((1, 1), (BLOCK, 1), (BLOCK + 1, 2), (5 * BLOCK, 5)):
+        kv.reserve(s, n)
+        assert len(kv.blocks_of(s)) == blocks
+    assert kv.usage == 0.5
+    t, _ = kv.allocate()
+    assert kv.room(t, 8 * BLOCK) == 5 * BLOCK  # five blocks left
+    with pytest.raises(KVCacheFull):
+        kv.reserve(t, 6 * BLOCK)
+    assert kv.blocks_of(t) == []  # a refused reservation takes nothing
+    kv.free(s)
+    assert kv.usage == 0.0 and kv.num_free_blocks == 10
+    kv.reserve(t, 10 * BLOCK)
+    with pytest.raises(KVCacheFull):
+        kv.reserve(t, 10 * BLOCK + 1)
+
+
+def test_cached_prefixes_give_their_storage_least_recently_freed_first() -> None:
+    kv = KVCache(CFG, num_slots=2, max_len=128, num_blocks=4)
+    x, y, z = ([t] * (2 * BLOCK + 1) for t in (1, 2, 3))
+    for p in (x, y):
+        s, _ = kv.allocate(p)
+        fill(kv, s, p, 2 * BLOCK)
+        kv.free(s)
+    assert kv.block_refs(x) == [0, 0] and kv.block_refs(y) == [0, 0] and kv.num_free_blocks == 4
+    s, reused = kv.allocate(z)
+    assert reused == 0
+    fill(kv, s, z, 2 * BLOCK)  # no block was ever unused: x's (freed first) give their storage
+    assert kv.block_refs(x) == [] and kv.block_refs(y) == [0, 0]
+    assert keys(kv, s, 2 * BLOCK) == [3.0] * (2 * BLOCK)
+    kv.free(s)
+    assert kv.allocate(x)[1] == 0  # x is really gone
+    assert kv.allocate(z)[1] == 2 * BLOCK
+
+
+def test_a_prefix_is_shared_only_up_to_the_first_different_block() -> None:
+    kv = KVCache(CFG, num_slots=3, max_len=128)
+    a = list(range(3 * BLOCK + 1))
+    s, _ = kv.allocate(a)
+    fill(kv, s, a, len(a))
+    b = a[: BLOCK + 3] + [99] + a[BLOCK + 4 :]  # differs inside the second block only
+    assert kv.allocate(b)[1] == BLOCK
     assert kv.allocate(None)[1] == 0
-    assert kv.block_refs(a[:BLOCK]) == [2]  # a (warm) and b (copied) both hold the first block
+
+
+def test_tables_are_what_attention_reads() -> None:
+    kv = KVCache(CFG, num_slots=2, max_len=64)
+    s, _ = kv.allocate()
+    kv.reserve(s, 3 * BLOCK)
+    assert kv.tables[s, :3].tolist() == kv.blocks_of(s)
+    assert torch.equal(kv.tables.new_tensor(kv.blocks_of(s)), kv.tables[s, :3])

@@ -1,14 +1,23 @@
-"""Prefix caching: a later prompt that starts like an earlier sequence skips that prefill, gives the
-same greedy output as without the cache, warm slots are evicted least recently used, and a running
-sequence shares its prefix."""
+"""Prefix caching: a later prompt that starts like an earlier sequence skips that prefill (in whole
+blocks), gives the same greedy output as without the cache, cached blocks give their storage least
+recently freed first when the budget is short, and a running sequence shares its prefix."""
 
 from __future__ import annotations
 
 from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.kv_cache import _common_prefix
+from wafer.engine.kv_cache import BLOCK, bytes_per_token
 from wafer.engine.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def reusable(held: list[int], prompt: list[int]) -> int:
+    """Tokens of `prompt` a sequence that held the KV of `held` lets it skip: the whole blocks of
+    their common prefix before the prompt's last token."""
+    n = 0
+    while n < min(len(held), len(prompt) - 1) and held[n] == prompt[n]:
+        n += 1
+    return n // BLOCK * BLOCK
 
 
 def render(loaded, messages) -> list[int]:
@@ -29,7 +38,7 @@ def test_multi_turn_reuses_history_and_matches_uncached(smollm):
         assert b.num_cached_prompt == 0
         if turn:
             # Everything the previous turn computed that this prompt repeats came from the cache.
-            assert a.num_cached_prompt == min(_common_prefix(previous, ids), len(ids) - 1)
+            assert a.num_cached_prompt == reusable(previous, ids)
             assert a.num_cached_prompt > len(first_prompt)
         else:
             first_prompt = ids
@@ -38,30 +47,34 @@ def test_multi_turn_reuses_history_and_matches_uncached(smollm):
     assert cached.kv.prefix_hit_rate > 0.5
 
 
-def test_lru_eviction_and_reuse_of_evicted_slots(smollm):
-    engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512))
-    fresh = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefix_caching=False))
+def test_cached_blocks_are_evicted_least_recently_freed_first(smollm):
     x, y, z = (render(smollm, [{"role": "user", "content": q}]) for q in
-               ("Tell me about cats.", "Tell me about dogs.", "Why is the sea salty?"))
-    sx = engine.generate([x], GREEDY)[0]
-    sy = engine.generate([y], GREEDY)[0]  # shares a prefix with x: copied into the cold slot, x stays warm
-    assert sy.num_cached_prompt == _common_prefix(x, y) >= 16
+               ("Tell me about cats.", "Tell me about dogs.", "Why is the sea salty? Explain it in a few words."))
+    fresh = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefix_caching=False))
+    roomy = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512))
+    sx = roomy.generate([x], GREEDY)[0]
+    sy = roomy.generate([y], GREEDY)[0]  # shares the template's system prompt with x
+    assert sy.num_cached_prompt == reusable(x, y) >= 16
     assert sy.output_ids == fresh.generate([y], GREEDY)[0].output_ids
-    assert engine.kv.num_used == 0 and engine.kv.num_free == 2  # both slots warm, both available
-    hit = engine.generate([y], GREEDY)[0]  # y is warm: reused; now x is the least recently used
-    assert hit.num_cached_prompt == len(y) - 1
-    # z shares only the template's system prompt with x and y and no cold slot is left: of equal
-    # matches the least recently used slot (x's) is taken over, so x's KV is evicted.
-    sz = engine.generate([z], GREEDY)[0]
-    assert sz.num_cached_prompt == _common_prefix(x, z) >= 16
+    assert roomy.kv.num_used == 0 and roomy.kv.usage == 0.0  # nothing held; both prefixes findable
+    hit = roomy.generate([y], GREEDY)[0]
+    assert hit.num_cached_prompt == reusable(sy.tokens[:-1], y) == (len(y) - 1) // BLOCK * BLOCK
+
+    # A budget of one sequence and a block: each request's blocks are taken from the oldest cached.
+    need = -(-(max(map(len, (x, y, z))) + GREEDY.max_tokens) // BLOCK)
+    short = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512,
+                                           kv_cache_memory=(need + 1) * BLOCK * bytes_per_token(smollm.config)))
+    short.generate([x], GREEDY)
+    short.generate([y], GREEDY)
+    sz = short.generate([z], GREEDY)[0]
     assert sz.output_ids == fresh.generate([z], GREEDY)[0].output_ids
-    again = engine.generate([x], GREEDY)[0]  # x is gone: only what it shares with y or z is reused
-    assert again.num_cached_prompt == max(_common_prefix(x, y), _common_prefix(x, z)) < len(x) - 1
+    again = short.generate([x], GREEDY)[0]  # x's own blocks went first: only the shared template is found
+    assert again.num_cached_prompt == max(reusable(y, x), reusable(z, x)) < reusable(sx.tokens, x)
     assert again.output_ids == sx.output_ids
 
 
 def test_running_sequence_shares_its_prefix_with_a_newcomer(smollm):
-    """Agents fanned out with one long system prompt: the second copies what the first computed."""
+    """Agents fanned out with one long system prompt: the second references what the first computed."""
     system = {"role": "system", "content": "You are a careful assistant. " * 20}
     a, b = (render(smollm, [system, {"role": "user", "content": q}]) for q in ("Name a fruit.", "Name a colour."))
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512))
@@ -72,6 +85,6 @@ def test_running_sequence_shares_its_prefix_with_a_newcomer(smollm):
     sb = engine.add(b, GREEDY)
     while not (sa.finished and sb.finished):
         engine.step()
-    assert sb.num_cached_prompt == _common_prefix(a, b) > 100
+    assert sb.num_cached_prompt == reusable(a, b) > 100
     ref = fresh.generate([a, b], GREEDY)
     assert [sa.output_ids, sb.output_ids] == [r.output_ids for r in ref]

@@ -38,3 +38,27 @@ def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
     engine.generate([list(range(100, 300))], SamplingParams(max_tokens=2, temperature=0))
     assert engine._seconds_per_token is not None and 0 < engine._seconds_per_token < 0.05
     assert engine._prefill_cap() >= 16
+
+
+def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
+    """Eight sequences that need 40 blocks in all, over a budget of 12: later ones are preempted and
+    computed again, and every output equals the sequence run alone with room to spare."""
+    from wafer.engine.kv_cache import BLOCK, bytes_per_token
+
+    prompts = [[1] + list(range(100 + 37 * i, 100 + 37 * i + 40)) for i in range(8)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    alone = LLMEngine(smollm, EngineConfig(max_running=1, max_model_len=256))
+    want = [alone.generate([p], params)[0].tokens for p in prompts]
+
+    budget = 12 * BLOCK * bytes_per_token(smollm.config)
+    engine = LLMEngine(smollm, EngineConfig(max_running=8, max_model_len=256, kv_cache_memory=budget))
+    assert engine.kv.num_blocks == 12 and engine.max_model_len == 12 * BLOCK
+    seqs = [engine.add(p, params) for p in prompts]
+    most = 0
+    while engine.has_work:
+        engine.step()
+        most = max(most, engine.kv.num_blocks - engine.kv.num_free_blocks)
+    assert [s.tokens for s in seqs] == want
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert engine.scheduler.num_preemptions > 0
+    assert most <= 12 and engine.kv.num_used == 0 and engine.kv.usage == 0.0

@@ -7,7 +7,7 @@ import torch
 
 from tests.tiny import make_hf_model
 from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_cache import BLOCK, KVCache
 from wafer.engine.runner import ModelRunner
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence
@@ -80,6 +80,6 @@ def test_greedy_64_tokens_identical(pair):
 
 def test_kv_heads_not_expanded(pair):
     _, loaded = pair
-    kv = KVCache(loaded.config, 3, 64)
-    assert kv.layers[0][0].shape == (3, loaded.config.num_kv_heads, 64, loaded.config.head_dim)
+    kv = KVCache(loaded.config, 3, 64)  # 3 sequences of 64 tokens: 12 blocks of 16
+    assert kv.layers[0][0].shape == (12, loaded.config.num_kv_heads, BLOCK, loaded.config.head_dim)
     assert loaded.config.num_kv_heads < loaded.config.num_heads

@@ -3,7 +3,8 @@
 On a GPU a decode step of a small batch is hundreds of kernel launches whose CPU cost exceeds their
 GPU time; a CUDA graph launches them all at once. A graph fixes its shapes, so a step here is the
 model's ordinary forward over static buffers: attention reads the first L positions of each
-sequence's cache slot under a mask built on the device from the positions
+sequence's blocks (its table row, copied into a static buffer) under a mask built on the device
+from the positions
 (AttentionBatch.static_decode). Each pair of a batch size bucket (1, 2, 4, 8, 16, 24, 32, 64, ...)
 and a context bucket L (256, 512, 1024, ... up to the cache's capacity) has its own graph, so a
 short context does not pay for the whole capacity. A smaller batch is padded by repeating its first
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from wafer.engine.kv_cache import BLOCK, KVCache
 from wafer.models.attention import AttentionBatch
 from wafer.models.llama import LlamaModel
 
@@ -37,19 +39,20 @@ def length_buckets(max_len: int, smallest: int = 256) -> list[int]:
 
 
 class GraphedDecode:
-    def __init__(self, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int,
+    def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int,
                  capture: bool | None = None, min_length: int = 256) -> None:
         self.model = model
-        self.caches = caches
-        self.max_len = caches[0][0].shape[2]
+        self.kv = kv
+        self.caches = kv.layers
+        self.max_len = kv.max_len
         self.windows = model.config.windows
-        device = caches[0][0].device
+        device = kv.layers[0][0].device
         self.max_batch = max_batch
         self.sizes = buckets(max_batch)
         self.lengths = length_buckets(self.max_len, min_length)
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.tables = torch.zeros(max_batch, kv.max_blocks, dtype=torch.long, device=device)
         self.capture = device.type == "cuda" if capture is None else capture
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -57,7 +60,8 @@ class GraphedDecode:
             self._capture_all()
 
     def _forward(self, n: int, length: int) -> torch.Tensor:
-        batch = AttentionBatch.static_decode(self.slots[:n], self.positions[:n], length, self.windows)
+        batch = AttentionBatch.static_decode(self.tables[:n, : -(-length // BLOCK)], self.positions[:n], BLOCK,
+                                             self.windows)
         return self.model(self.ids[:n], self.positions[:n], batch, self.caches)
 
     def _capture_all(self) -> None:
@@ -84,8 +88,9 @@ class GraphedDecode:
         n = len(ids)
         shape = (next(s for s in self.sizes if s >= n), next(L for L in self.lengths if L > max(positions)))
         pad = shape[0] - n  # rows repeating the first token: same key and value, same place
-        for buf, values in ((self.ids, ids), (self.positions, positions), (self.slots, slots)):
+        for buf, values in ((self.ids, ids), (self.positions, positions)):
             buf[: shape[0]].copy_(torch.tensor(values + values[:1] * pad, dtype=torch.long), non_blocking=True)
+        self.tables[: shape[0]].copy_(self.kv.tables[slots + slots[:1] * pad], non_blocking=True)
         if not self.capture:
             return self._forward(*shape)[:n]
         self.graphs[shape].replay()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wafer.engine.constraints import Constraints, mask_logits
-from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_cache import BLOCK, KVCache, bytes_per_token
 from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import ScheduledSeq, Scheduler
@@ -36,6 +36,9 @@ log = logging.getLogger("wafer.engine")
 class EngineConfig:
     max_running: int = 16
     max_model_len: int | None = None  # default: the model's context length
+    # Bytes of KV the cache may hold (default: every running sequence at max_model_len). The pool
+    # takes memory only as its blocks are first written.
+    kv_cache_memory: int | None = None
     max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
     # Seconds of prompt work a step may add while other sequences decode (None: no limit). The
@@ -65,7 +68,13 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         ctx = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or ctx, ctx)
-        self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len)
+        num_blocks = None
+        if self.config.kv_cache_memory is not None:
+            per_block = bytes_per_token(loaded.config, loaded.model.norm.weight.dtype) * BLOCK
+            num_blocks = max(1, self.config.kv_cache_memory // per_block)
+            # One sequence must always fit, so that preemption can always make progress.
+            self.max_model_len = min(self.max_model_len, num_blocks * BLOCK)
+        self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len, num_blocks)
         self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
                                    self.config.prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv)
@@ -141,6 +150,10 @@ class LLMEngine:
         that sequence alone, with finish_reason "error"; the others go on."""
         started = time.perf_counter()
         scheduled = self.scheduler.schedule(self._prefill_cap())
+        for seq in self.scheduler.preempted:  # recomputed later from its tokens: the draft's KV goes too
+            if self.proposer is not None:
+                self.proposer.release(seq.seq_id)
+        self.scheduler.preempted.clear()
         if not scheduled:
             return []
         if self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
@@ -282,7 +295,11 @@ class LLMEngine:
             # No point proposing past max_tokens or the context: the last token is the target's own.
             room = min(k, seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt) - 1,
                        self.max_model_len - len(seq.tokens) - 1)
+            # Drafts only take blocks that are free: they never preempt anyone.
+            end = seq.num_cached + 1
+            room = min(room, self.kv.room(seq.slot, end + max(room, 0)) - end)  # type: ignore[arg-type]
             if room > 0:
+                self.kv.reserve(seq.slot, end + room)  # type: ignore[arg-type]
                 items.append(item)
                 limits.append(room)
         if not items:

@@ -1,36 +1,39 @@
-"""The KV cache: one slot per running sequence, all layers, KV heads never expanded.
+"""The KV cache in blocks: memory follows the tokens held, and a shared prefix is stored once.
 
-A slot holds up to `max_len` tokens contiguously, so a sequence's keys are a view, not a gather
-(a paged cache would copy every block of the context on every decode step on this CPU path).
-The tensors are zero-filled lazily by the OS (calloc), so untouched capacity costs no memory.
+Every layer's keys and values live in one pool of blocks of BLOCK tokens,
+[num_blocks, kv_heads, BLOCK, head_dim] (KV heads are never expanded). A running sequence owns a
+slot: a row of `tables` listing, in order, the blocks that hold its positions. Blocks are taken
+as its KV grows and given back when it ends, so a budget of blocks bounds what the cache holds,
+not `max_running x max_len`.
 
-Prefix caching: every slot's computed tokens are cut into blocks of BLOCK tokens, and each full
-block is indexed by a hash chained over the whole prefix up to it (as in vLLM), with the set of
-slots that hold it: a block lives while at least one slot references it. A new prompt walks its
-own chain of block hashes to find the longest prefix some slot already holds, running or
-finished. A finished sequence's slot stays warm; warm slots are evicted least recently used when
-no cold one is left. A prompt that continues a warm slot's whole content takes the slot over without
-a copy; one that shares only part of a slot's content, or shares a prefix with a running sequence
-(concurrent requests with one system prompt), gets the shared KV copied into a slot of its own.
+Prefix caching (as in vLLM): each full block that a sequence computed is indexed by a hash chained
+over the whole prefix up to it. A new prompt walks its own chain and references the blocks that
+exist instead of computing or copying them; a block is freed with its last reference, and a freed
+block that is indexed stays findable until its storage is needed (least recently freed first).
+Only blocks before the prompt's last token are shared: that token is always computed (its logits
+give the first output token), so a shared block is never written to.
 """
 
 from __future__ import annotations
 
 import math
-
 from collections import OrderedDict
 
 import torch
 
 from wafer.models.config import ModelConfig
 
-BLOCK = 16  # tokens per hashed block
+BLOCK = 16  # tokens per block, hashed and allocated alike
+
+
+class KVCacheFull(RuntimeError):
+    """No free block is left for a sequence's next tokens."""
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeros that take memory only where written: on the CPU an anonymous mapping, whose pages the
-    kernel provides (zeroed) on first write, so a cache sized for 16 sequences of 4096 tokens costs
-    what its sequences hold, not 4 GB up front as torch.zeros would (it writes every byte)."""
+    kernel provides (zeroed) on first write, so a pool sized for the whole budget costs what its
+    blocks have held, not the budget up front as torch.zeros would (it writes every byte)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import mmap
@@ -40,195 +43,192 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return torch.frombuffer(area, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)  # keeps `area` alive
 
 
+def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of K and V, all layers, for one token."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+                 device: torch.device | str = "cpu", num_blocks: int | None = None) -> None:
+        """`num_blocks`: the pool's size (default: enough for every slot to hold `max_len` tokens)."""
+        self.max_blocks = -(-max_len // BLOCK)  # per sequence
+        num_blocks = num_blocks or num_slots * self.max_blocks
+        shape = (num_blocks, cfg.num_kv_heads, BLOCK, cfg.head_dim)
         # Zeros, not empty: masked positions still enter the attention product, and NaN * 0 is NaN.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)
         ]
         self.num_slots = num_slots
+        self.num_blocks = num_blocks
         self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
-        self._used_tokens: dict[int, int] = {}  # live slot -> tokens computed
-        self._warm: OrderedDict[int, None] = OrderedDict()  # finished slots kept for reuse, LRU first
-        self._tokens: dict[int, list[int]] = {}  # slot -> its token ids (valid up to _valid[slot])
-        self._valid: dict[int, int] = {}  # slot -> leading tokens whose KV it holds
-        self._hashes: dict[int, list[int]] = {}  # slot -> chained hashes of its full blocks
-        self._index: dict[int, set[int]] = {}  # block hash -> slots holding that block
+        self.bytes_per_block = bytes_per_token(cfg, dtype) * BLOCK
+        # Row s: the blocks of slot s in position order (entries past its length are stale).
+        self.tables = torch.zeros(num_slots, self.max_blocks, dtype=torch.long)
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self._ref = [0] * num_blocks
+        self._blocks: dict[int, list[int]] = {}  # slot -> its blocks
+        self._used: dict[int, int] = {}  # live slot -> tokens computed
+        self._tokens: dict[int, list[int]] = {}  # slot -> its token ids (for indexing its blocks)
+        self._hashes: dict[int, list[int]] = {}  # slot -> chained hashes of its indexed leading blocks
+        self._index: dict[int, int] = {}  # chained hash -> block
+        self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # indexed block -> (its hash, its tokens)
+        self._parent: dict[int, int] = {}  # indexed block -> the block before it (-1 for the first)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced indexed blocks, oldest first
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int) -> KVCache:
+    def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None) -> KVCache:
         """A cache in the model's activation dtype, on its device."""
         emb = model.norm.weight  # type: ignore[union-attr]  # (the embedding may be held in file blocks)
-        return cls(model.config, num_slots, max_len, emb.dtype, emb.device)  # type: ignore[arg-type]
+        return cls(model.config, num_slots, max_len, emb.dtype, emb.device, num_blocks)  # type: ignore[arg-type]
 
+    # --- sizes ---------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Slots a new sequence can have (cold ones and warm ones that may be evicted)."""
-        return len(self._free) + len(self._warm)
+        """Slots a new sequence can have."""
+        return len(self._free_slots)
 
     @property
     def num_used(self) -> int:
-        return len(self._used_tokens)
+        """Live sequences."""
+        return len(self._used)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence can take: never used, or holding only an unreferenced cached prefix."""
+        return len(self._free_blocks) + len(self._cached)
 
     @property
     def num_cached_blocks(self) -> int:
+        """Indexed blocks: findable by a later prompt."""
         return len(self._index)
 
-    def block_refs(self, prompt: list[int]) -> list[int]:
-        """How many slots hold each full block of `prompt`'s prefix (stops at the first missing one)."""
-        refs = []
-        for h in _chain(prompt):
-            slots = self._index.get(h)
-            if not slots:
-                break
-            refs.append(len(slots))
-        return refs
-
-    def allocate(self, prompt: list[int] | None = None, min_reuse: int = BLOCK) -> tuple[int, int]:
-        """A slot for a new sequence, and how many leading tokens of `prompt` its KV already holds
-        (0 without a prompt, or when no slot shares at least `min_reuse` tokens). `prompt` is the
-        sequence's own token list: the cache reads it again as the sequence's KV fills in."""
-        src, shared = self._lookup(prompt) if prompt else (None, 0)
-        if prompt:
-            self.prefix_queried_tokens += len(prompt)
-        # At least one prompt token is always computed: its logits give the first output token.
-        reuse = min(shared, len(prompt) - 1) if prompt else 0
-        if src is None or reuse < min_reuse:
-            slot, reuse = (self._free.pop() if self._free else self._evict()), 0
-        elif src in self._warm and (shared >= self._valid[src] or not self._free):
-            # The prompt continues everything the warm slot holds (a chat's next turn), or there is
-            # no cold slot: take it over; what lies past the shared prefix is dropped.
-            del self._warm[src]
-            slot = src
-            self._truncate(slot, reuse)
-        else:
-            # Shared with a running sequence, or with part of a warm slot that stays for its own
-            # continuation: copy the shared prefix into a slot of this sequence's own.
-            slot = self._free.pop() if self._free else self._evict(keep=src)
-            self._copy(src, slot, reuse)
-            if src in self._warm:
-                self._warm.move_to_end(src)
-        if prompt is None:
-            self._tokens.pop(slot, None)
-        else:
-            self._tokens[slot] = prompt
-            self.prefix_hit_tokens += reuse
-        self._used_tokens[slot] = self._valid[slot] = reuse
-        self._register(slot)
-        return slot, reuse
-
-    def _lookup(self, prompt: list[int]) -> tuple[int | None, int]:
-        """The slot sharing the longest prefix with `prompt`, and how long it is. Of equal
-        matches, warm slots win (least recently used first: a takeover then evicts the oldest)."""
-        candidates: set[int] = set()
-        depth = 0
-        for h in _chain(prompt):
-            slots = self._index.get(h)
-            if not slots:
-                break
-            candidates, depth = slots, depth + 1
-        if not candidates:
-            return None, 0
-        base = depth * BLOCK
-        order = [s for s in self._warm if s in candidates] + sorted(s for s in candidates if s not in self._warm)
-        best, best_len = None, 0
-        for slot in order:
-            tokens, valid = self._tokens[slot], self._valid[slot]
-            if tokens[:base] != prompt[:base]:  # a hash collision: never reuse someone else's KV
-                continue
-            n = base + _common_prefix(tokens[base:valid], prompt[base:])
-            if n > best_len:
-                best, best_len = slot, n
-        return best, best_len
-
-    def _evict(self, keep: int | None = None) -> int:
-        """The least recently used warm slot (other than `keep`), its blocks forgotten."""
-        slot = next(s for s in self._warm if s != keep)
-        del self._warm[slot]
-        self._truncate(slot, 0)
-        return slot
-
-    def _register(self, slot: int) -> None:
-        """Index the slot's full blocks up to what it holds."""
-        tokens = self._tokens.get(slot)
-        if tokens is None:
-            return
-        hashes = self._hashes.setdefault(slot, [])
-        prev = hashes[-1] if hashes else 0
-        for b in range(len(hashes), self._valid[slot] // BLOCK):
-            prev = _block_hash(prev, tokens, b)
-            hashes.append(prev)
-            self._index.setdefault(prev, set()).add(slot)
-
-    def _truncate(self, slot: int, n: int) -> None:
-        """Forget the slot's blocks past its first n tokens (a block dies with its last reference)."""
-        hashes = self._hashes.get(slot, [])
-        while len(hashes) > n // BLOCK:
-            h = hashes.pop()
-            holders = self._index[h]
-            holders.discard(slot)
-            if not holders:
-                del self._index[h]
-        self._valid[slot] = min(self._valid.get(slot, 0), n)
-
-    def _copy(self, src: int, dst: int, n: int) -> None:
-        for k, v in self.layers:
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
-
-    def free(self, slot: int, tokens: list[int] | None = None) -> None:
-        """Give a slot back; with `tokens` (what its KV holds) it stays warm for prefix reuse."""
-        if slot not in self._used_tokens:
-            return
-        del self._used_tokens[slot]
-        if tokens:
-            self._tokens[slot] = list(tokens)
-            self._truncate(slot, len(tokens))
-            self._valid[slot] = len(tokens)
-            self._register(slot)
-            self._warm[slot] = None
-        else:
-            self._truncate(slot, 0)
-            self._tokens.pop(slot, None)
-            self._free.append(slot)
-            self._free.sort(reverse=True)
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks referenced by live sequences."""
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
+    def blocks_of(self, slot: int) -> list[int]:
+        return self._blocks.get(slot, [])
+
+    def block_refs(self, prompt: list[int]) -> list[int]:
+        """How many sequences reference each indexed block of `prompt`'s prefix (to the first missing one)."""
+        return [self._ref[b] for b in self._walk(prompt, len(prompt) // BLOCK)]
+
+    # --- sequences -----------------------------------------------------------------------------
+    def allocate(self, prompt: list[int] | None = None) -> tuple[int, int]:
+        """A slot for a new sequence, and how many leading tokens of `prompt` its KV already holds
+        (whole shared blocks before the prompt's last token; 0 without a prompt). `prompt` is the
+        sequence's own token list: the cache reads it again to index the blocks it fills."""
+        if not self._free_slots:
+            raise KVCacheFull("no free slot")
+        slot = self._free_slots.pop()
+        blocks = self._walk(prompt, (len(prompt) - 1) // BLOCK) if prompt else []
+        for b in blocks:
+            if self._ref[b] == 0:
+                del self._cached[b]
+            self._ref[b] += 1
+        self._blocks[slot] = blocks
+        self.tables[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        reused = len(blocks) * BLOCK
+        if prompt is None:
+            self._tokens.pop(slot, None)
+        else:
+            self._tokens[slot] = prompt
+            self.prefix_queried_tokens += len(prompt)
+            self.prefix_hit_tokens += reused
+        self._hashes[slot] = [self._key[b][0] for b in blocks]
+        self._used[slot] = reused
+        return slot, reused
+
+    def _walk(self, tokens: list[int], limit: int) -> list[int]:
+        """The indexed blocks holding `tokens`' first blocks, at most `limit`, in order."""
+        found: list[int] = []
+        prev_hash, prev_block = 0, -1
+        for i in range(limit):
+            part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
+            h = hash((prev_hash, part))
+            b = self._index.get(h)
+            # The chain and the tokens are checked, not only the hash: another sequence's KV is never
+            # served on a collision.
+            if b is None or self._key[b][1] != part or self._parent[b] != prev_block:
+                break
+            found.append(b)
+            prev_hash, prev_block = h, b
+        return found
+
+    def room(self, slot: int, n: int) -> int:
+        """Tokens the slot can hold if it takes blocks up to `n` tokens, as far as free blocks allow."""
+        have = len(self._blocks.get(slot, []))
+        want = min(-(-n // BLOCK), self.max_blocks)
+        return min(want, have + self.num_free_blocks) * BLOCK
+
+    def reserve(self, slot: int, n: int) -> None:
+        """Blocks for the slot's first n tokens (raises KVCacheFull when the pool cannot give them)."""
+        blocks = self._blocks.setdefault(slot, [])
+        want = -(-n // BLOCK)
+        if want > self.max_blocks:
+            raise KVCacheFull(f"{n} tokens exceed the slot's {self.max_len}")
+        if want - len(blocks) > self.num_free_blocks:
+            raise KVCacheFull(f"{want - len(blocks)} blocks wanted, {self.num_free_blocks} free")
+        while len(blocks) < want:
+            b = self._take_block()
+            self.tables[slot, len(blocks)] = b
+            blocks.append(b)
+
+    def _take_block(self) -> int:
+        if self._free_blocks:
+            b = self._free_blocks.pop()
+        else:  # the least recently freed cached prefix block gives up its storage
+            b, _ = self._cached.popitem(last=False)
+            self._unindex(b)
+        self._ref[b] = 1
+        return b
+
+    def _unindex(self, b: int) -> None:
+        h, _ = self._key.pop(b)
+        del self._index[h]
+        del self._parent[b]
+
     def set_length(self, slot: int, n: int) -> None:
-        """The slot's sequence now has KV for its first n tokens; full blocks among them become findable."""
-        self._used_tokens[slot] = self._valid[slot] = n
-        self._register(slot)
+        """The slot's sequence now has KV for its first n tokens; its full blocks among them become findable."""
+        self._used[slot] = n
+        tokens = self._tokens.get(slot)
+        if tokens is None:
+            return
+        hashes, blocks = self._hashes[slot], self._blocks[slot]
+        while len(hashes) < n // BLOCK:
+            i = len(hashes)
+            part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
+            h = hash((hashes[-1] if hashes else 0, part))
+            hashes.append(h)
+            b = blocks[i]
+            if h not in self._index and b not in self._key:  # else an equal block is indexed already
+                self._index[h] = b
+                self._key[b] = (h, part)
+                self._parent[b] = blocks[i - 1] if i else -1
 
-    @property
-    def usage(self) -> float:
-        """Fraction of token capacity held by live sequences."""
-        return sum(self._used_tokens.values()) / (self.num_slots * self.max_len)
-
-
-def _chain(tokens: list[int]):  # type: ignore[no-untyped-def]
-    """The chained hashes of the full blocks of `tokens`, first block first."""
-    prev = 0
-    for b in range(len(tokens) // BLOCK):
-        prev = _block_hash(prev, tokens, b)
-        yield prev
-
-
-def _block_hash(prev: int, tokens: list[int], b: int) -> int:
-    """Block b's hash, chained on the hash of the blocks before it."""
-    return hash((prev, *tokens[b * BLOCK : (b + 1) * BLOCK]))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    def free(self, slot: int) -> None:
+        """Give a slot and its blocks back; its indexed blocks stay findable until their storage is needed."""
+        if slot not in self._used:
+            return
+        del self._used[slot]
+        for b in reversed(self._blocks.pop(slot, [])):  # freed last-first: a prefix's head outlives its tail
+            self._ref[b] -= 1
+            if self._ref[b]:
+                continue
+            if b in self._key:
+                self._cached[b] = None
+            else:
+                self._free_blocks.append(b)
+        self._tokens.pop(slot, None)
+        self._hashes.pop(slot, None)
+        self._free_slots.append(slot)
+        self._free_slots.sort(reverse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from wafer.engine.cuda_graph import GraphedDecode
-from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_cache import BLOCK, KVCache
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.models.attention import (
     AttentionBatch,
@@ -26,7 +26,7 @@ class ModelRunner:
         # One C++ call per step where the compute path allows it (q4 and q8 on wafer's kernels).
         self.fused = FusedDecode.build(model, kv.layers) if self.device.type == "cpu" else None
         # On a GPU, decode steps of up to 64 sequences replay CUDA graphs.
-        self.graphed = (GraphedDecode(model, kv.layers, min(kv.num_slots, 64))
+        self.graphed = (GraphedDecode(model, kv, min(kv.num_slots, 64))
                         if cuda_graphs and self.device.type == "cuda" else None)
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
@@ -34,6 +34,8 @@ class ModelRunner:
         or `rows` rows for an item that asks for more (a draft to verify) (with all_logits: every token, in
         batch order: the order of `scheduled` on the fused path; elsewhere single-token items go first so
         they attend together)."""
+        for item in scheduled:  # the scheduler has made room: this only takes the blocks
+            self.kv.reserve(item.seq.slot, item.start + item.count)  # type: ignore[arg-type]
         if self.fused is not None:
             return self._run_fused(scheduled, all_logits)
         if (self.graphed is not None and not all_logits and len(scheduled) <= self.graphed.max_batch
@@ -46,29 +48,30 @@ class ModelRunner:
         order = singles + chunks
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        write_blocks: list[int] = []
         prefills: list[PrefillChunk] = []
+        tables = self.kv.tables
         for item in order:
             seq, start, n = item.seq, item.start, item.count
+            blocks = self.kv.blocks_of(seq.slot)  # type: ignore[arg-type]
             if n > 1:
                 ctx = start + n
-                prefills.append(PrefillChunk(len(ids), n, seq.slot, ctx, causal_masks(start, n, self.windows)))
+                prefills.append(PrefillChunk(len(ids), n, tables[seq.slot, : -(-ctx // BLOCK)], ctx,
+                                             causal_masks(start, n, self.windows)))
             ids.extend(item.input_ids())
             positions.extend(range(start, start + n))
-            slots.extend([seq.slot] * n)  # type: ignore[list-item]
-        dec_pairs = [(s.seq.slot, s.start + 1) for s in singles]
-        span = max((slot for slot, _ in dec_pairs), default=-1) + 1
-        dec_len = max((n for _, n in dec_pairs), default=0)
-        dec_slots = [slot for slot, _ in dec_pairs]
+            write_blocks.extend(blocks[p // BLOCK] for p in range(start, start + n))
+        lengths = [s.start + 1 for s in singles]
+        nblk = -(-max(lengths, default=0) // BLOCK)
+        pos = torch.tensor(positions, dtype=torch.long)
         batch = AttentionBatch(
-            slots=torch.tensor(slots, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            write_blocks=torch.tensor(write_blocks, dtype=torch.long),
+            write_offsets=pos % BLOCK,
+            positions=pos,
             num_decode=len(singles),
-            decode_slots=torch.tensor(dec_slots, dtype=torch.long),
-            decode_span=span,
-            decode_len=dec_len,
-            decode_masks=decode_masks(dec_pairs, span, dec_len, self.windows) if singles else {},
-            decode_dense=dec_slots == list(range(span)),
+            decode_tables=tables[[s.seq.slot for s in singles], :nblk],
+            decode_len=nblk * BLOCK,
+            decode_masks=decode_masks(lengths, nblk * BLOCK, self.windows) if singles else {},
             prefills=prefills,
         )
         # Logits rows in the caller's order of `scheduled`, for the items that sample.
@@ -109,5 +112,6 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long),
+            self.kv.tables,
             torch.arange(len(ids)) if all_logits else torch.tensor(rows, dtype=torch.long),
         )

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_cache import BLOCK, KVCache
 from wafer.engine.sequence import Sequence, Status
 
 
@@ -45,6 +45,8 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preempted: list[Sequence] = []  # since the engine last looked (it drops their drafts' state)
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -56,15 +58,23 @@ class Scheduler:
     def schedule(self, prefill_cap: int | None = None) -> list[ScheduledSeq]:
         """Decoders first (one token each), then prefill chunks while the budget lasts. With
         `prefill_cap`, prompts get at most that many tokens in a step that also decodes: the step's
-        length is how long every decoder waits for its next token."""
+        length is how long every decoder waits for its next token.
+
+        Running sequences are served in the order they were admitted. When the cache has no block
+        for one of them, the sequence admitted last is preempted: its blocks go back (its full ones
+        stay findable as a cached prefix) and it waits at the head of the queue to be computed
+        again, as vLLM does."""
         out: list[ScheduledSeq] = []
         budget = self.max_batched_tokens
         prefilling: list[Sequence] = []
-        for seq in self.running:
-            remaining = len(seq.tokens) - seq.num_cached
-            if remaining == 1:
-                out.append(ScheduledSeq(seq, seq.num_cached, 1))
-                budget -= 1
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:  # preempted for an earlier sequence in this loop
+                continue
+            if len(seq.tokens) - seq.num_cached == 1:
+                if self._make_room(seq, seq.num_cached + 1, out):
+                    self.kv.reserve(seq.slot, seq.num_cached + 1)  # type: ignore[arg-type]
+                    out.append(ScheduledSeq(seq, seq.num_cached, 1))
+                    budget -= 1
             else:
                 prefilling.append(seq)
         if out and prefill_cap is not None:
@@ -72,20 +82,66 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0:
                 break
-            n = min(len(seq.tokens) - seq.num_cached, budget)
-            out.append(ScheduledSeq(seq, seq.num_cached, n))
-            budget -= n
+            if seq.status is not Status.RUNNING:
+                continue
+            n = self._chunk(seq, budget, out)
+            if n:
+                self.kv.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
+                out.append(ScheduledSeq(seq, seq.num_cached, n))
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running and self.kv.num_free:
-            seq = self.waiting.popleft()
-            seq.slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
-            seq.num_cached = seq.num_cached_prompt = reused
+            seq = self.waiting[0]
+            slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
+            n = min(len(seq.tokens) - reused, budget, self.kv.room(slot, len(seq.tokens)) - reused)
+            if n <= 0:  # not a block free for it: it waits for a sequence to end
+                self.kv.free(slot)
+                break
+            self.waiting.popleft()
+            self.kv.reserve(slot, reused + n)
+            seq.slot, seq.num_cached = slot, reused
+            if seq.first_scheduled_time is None:  # (a preempted sequence keeps its first admission)
+                seq.num_cached_prompt = reused
+                seq.first_scheduled_time = time.monotonic()
             seq.status = Status.RUNNING
-            seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            n = min(len(seq.tokens) - seq.num_cached, budget)
             out.append(ScheduledSeq(seq, seq.num_cached, n))
             budget -= n
         return out
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: list[ScheduledSeq]) -> bool:
+        """Blocks for `seq`'s first n tokens, preempting sequences admitted after it (and not
+        already in this step) as needed. False when none is left to preempt: then `seq` itself is
+        preempted if it is the last admitted and not alone, so that the others can go on."""
+        while self.kv.room(seq.slot, n) < n:  # type: ignore[arg-type]
+            victim = self.running[-1]
+            if victim is seq:
+                if len(self.running) > 1:
+                    self.preempt(seq)
+                return False
+            if any(item.seq is victim for item in scheduled):
+                return False
+            self.preempt(victim)
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        """How many prompt tokens `seq` computes this step: its remainder, within the budget and the
+        blocks it can get (preempting later sequences only when it could not advance at all)."""
+        start = seq.num_cached
+        n = min(len(seq.tokens) - start, budget)
+        fit = self.kv.room(seq.slot, start + n) - start  # type: ignore[arg-type]
+        if fit > 0:
+            return min(n, fit)
+        return min(n, BLOCK) if self._make_room(seq, start + min(n, BLOCK), scheduled) else 0
+
+    def preempt(self, seq: Sequence) -> None:
+        """Stop a running sequence and free its blocks; it will be computed again from its tokens."""
+        self.running.remove(seq)
+        self.kv.free(seq.slot)  # type: ignore[arg-type]
+        seq.slot, seq.num_cached = None, 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preempted.append(seq)
+        self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and give its slot back."""
@@ -95,6 +151,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None:
-            # Positions [0, num_cached) hold this sequence's KV: keep them warm for a later prefix.
-            self.kv.free(seq.slot, seq.tokens[: seq.num_cached] if self.prefix_caching else None)
+            # Its full blocks stay findable as a cached prefix until their storage is needed.
+            self.kv.free(seq.slot)
             seq.slot = None

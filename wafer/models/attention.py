@@ -1,8 +1,10 @@
-"""Attention over a slot-based KV cache, for a flat batch that mixes decode and prefill.
+"""Attention over a KV cache in blocks, for a flat batch that mixes decode and prefill.
 
-The cache of one layer is a pair of tensors shaped [slots, kv_heads, max_len, head_dim]: a sequence
-owns a slot, and its keys are a contiguous view of it, so attention reads them without a copy.
-Query heads are folded onto their KV head (grouped-query attention) instead of repeating K and V.
+The cache of one layer is a pair of pools shaped [num_blocks, kv_heads, BLOCK, head_dim]; a
+sequence's positions lie in the blocks its table lists, in order. Each token's key and value are
+written where its position falls; attention gathers a sequence's blocks into one run (on this path
+a gather is the price of sharing blocks; the fused CPU step reads them in place). Query heads are
+folded onto their KV head (grouped-query attention) instead of repeating K and V.
 """
 
 from __future__ import annotations
@@ -19,49 +21,47 @@ class PrefillChunk:
 
     start: int
     length: int
-    slot: int
+    table: torch.Tensor  # [blocks] the sequence's blocks covering its first context_len tokens
     context_len: int  # tokens of this sequence in the cache once this chunk is written
     masks: dict[int | None, torch.Tensor]  # per attention window: [length, context_len] bool, True where a query may look
 
 
 @dataclass
 class AttentionBatch:
-    """Where each token of a flat batch lives in the cache, and how its queries are grouped.
+    """Where each token of a flat batch goes in the cache, and what its queries attend to.
 
-    The first `num_decode` tokens are one token each of distinct sequences; they are attended
-    together over the cache slots [0, decode_span). The rest are prefill chunks.
+    The first `num_decode` tokens are one token each of distinct sequences; they attend together
+    over their blocks gathered to `decode_len` positions. The rest are prefill chunks.
     """
 
-    slots: torch.Tensor  # [N] slot of each token
+    write_blocks: torch.Tensor  # [N] the block each token's K and V go to
+    write_offsets: torch.Tensor  # [N] its place in that block
     positions: torch.Tensor  # [N] position of each token in its sequence
     num_decode: int
-    decode_slots: torch.Tensor  # [num_decode]
-    decode_span: int  # attend over cache slots [0, decode_span)
-    decode_len: int  # longest context among decode sequences
-    decode_masks: dict[int | None, torch.Tensor]  # per attention window: [decode_span, 1, 1, decode_len] bool
-    decode_dense: bool  # decode_slots == arange(decode_span): no scatter needed
+    decode_tables: torch.Tensor  # [num_decode, decode_len / block] blocks of each decoding sequence
+    decode_len: int  # positions gathered per decoding sequence (a whole number of blocks)
+    decode_masks: dict[int | None, torch.Tensor]  # per attention window: [num_decode, 1, 1, decode_len] bool
     prefills: list[PrefillChunk]
-    # Static shapes (CUDA graphs): decode tokens attend over the first decode_len positions of their
-    # slots, gathered, under decode_masks [num_decode, 1, 1, decode_len]; decode_span is unused.
-    static: bool = False
 
     @classmethod
-    def static_decode(cls, slots: torch.Tensor, positions: torch.Tensor, max_len: int,
+    def static_decode(cls, tables: torch.Tensor, positions: torch.Tensor, block: int,
                       windows: list[int | None]) -> AttentionBatch:
-        """One token per sequence at `positions` (< max_len) of `slots`, attending over positions
-        [0, max_len) under a mask built on their device from the positions alone, so that the whole
+        """One token per sequence at `positions`, whose blocks are the rows of `tables` [n, blocks]:
+        every index and mask is computed on their device from these tensors alone, so that the whole
         step can be captured in a CUDA graph."""
+        n, nblk = tables.shape
+        length = nblk * block
         lens = (positions + 1).unsqueeze(1)
-        k = torch.arange(max_len, device=positions.device).unsqueeze(0)
-        n = slots.shape[0]
+        k = torch.arange(length, device=positions.device).unsqueeze(0)
         masks = {}
         for window in set(windows):
             mask = k < lens
             if window is not None:
                 mask &= k > lens - 1 - window
-            masks[window] = mask.view(n, 1, 1, max_len)
-        return cls(slots=slots, positions=positions, num_decode=n, decode_slots=slots, decode_span=0,
-                   decode_len=max_len, decode_masks=masks, decode_dense=False, prefills=[], static=True)
+            masks[window] = mask.view(n, 1, 1, length)
+        blocks = tables.gather(1, (positions // block).unsqueeze(1)).squeeze(1)
+        return cls(write_blocks=blocks, write_offsets=positions % block, positions=positions, num_decode=n,
+                   decode_tables=tables, decode_len=length, decode_masks=masks, prefills=[])
 
     def to(self, device: torch.device) -> AttentionBatch:
         """The same batch with its index tensors and masks on `device` (built on the CPU)."""
@@ -69,12 +69,11 @@ class AttentionBatch:
             return self
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return AttentionBatch(
-            slots=move(self.slots), positions=move(self.positions), num_decode=self.num_decode,
-            decode_slots=move(self.decode_slots), decode_span=self.decode_span, decode_len=self.decode_len,
-            decode_masks={w: move(m) for w, m in self.decode_masks.items()}, decode_dense=self.decode_dense,
-            prefills=[PrefillChunk(c.start, c.length, c.slot, c.context_len, {w: move(m) for w, m in c.masks.items()})
-                      for c in self.prefills],
-            static=self.static)
+            write_blocks=move(self.write_blocks), write_offsets=move(self.write_offsets),
+            positions=move(self.positions), num_decode=self.num_decode, decode_tables=move(self.decode_tables),
+            decode_len=self.decode_len, decode_masks={w: move(m) for w, m in self.decode_masks.items()},
+            prefills=[PrefillChunk(c.start, c.length, move(c.table), c.context_len,
+                                   {w: move(m) for w, m in c.masks.items()}) for c in self.prefills])
 
 
 def causal_masks(start_pos: int, length: int, windows: set[int | None]) -> dict[int | None, torch.Tensor]:
@@ -85,16 +84,20 @@ def causal_masks(start_pos: int, length: int, windows: set[int | None]) -> dict[
     return {w: causal if w is None else causal & (k > q - w) for w in windows}
 
 
-def decode_masks(lengths: list[tuple[int, int]], span: int, max_len: int,
-                 windows: set[int | None]) -> dict[int | None, torch.Tensor]:
-    """Per window, the [span, 1, 1, max_len] mask for one query per (slot, length) at position length-1."""
-    lens = torch.zeros(span, dtype=torch.long)
-    for slot, n in lengths:
-        lens[slot] = n
-    lens = lens.clamp(min=1).unsqueeze(1)  # unused slots look at one key instead of none (avoids NaN rows)
+def decode_masks(lengths: list[int], max_len: int, windows: set[int | None]) -> dict[int | None, torch.Tensor]:
+    """Per window, the [len(lengths), 1, 1, max_len] mask for one query per sequence at position length-1."""
+    lens = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
     k = torch.arange(max_len).unsqueeze(0)
     causal = k < lens
-    return {w: (causal if w is None else causal & (k > lens - 1 - w)).view(span, 1, 1, max_len) for w in windows}
+    n = len(lengths)
+    return {w: (causal if w is None else causal & (k > lens - 1 - w)).view(n, 1, 1, max_len) for w in windows}
+
+
+def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[..., blocks] tables -> [..., kv_heads, blocks * block, head_dim]: the blocks laid end to end."""
+    g = pool[tables]  # [..., blocks, kv, block, D]
+    g = g.transpose(-4, -3)  # [..., kv, blocks, block, D]
+    return g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
 
 
 def attend(
@@ -112,39 +115,24 @@ def attend(
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
-    k_cache[batch.slots, :, batch.positions] = k
-    v_cache[batch.slots, :, batch.positions] = v
+    k_cache[batch.write_blocks, :, batch.write_offsets] = k
+    v_cache[batch.write_blocks, :, batch.write_offsets] = v
     out = torch.empty_like(q)
 
     nd = batch.num_decode
-    if nd and batch.static:
+    if nd:
         qd = q[:nd].view(nd, n_kv, group, head_dim)
-        length = batch.decode_len
-        o = F.scaled_dot_product_attention(qd, k_cache[:, :, :length][batch.decode_slots],
-                                           v_cache[:, :, :length][batch.decode_slots],
+        o = F.scaled_dot_product_attention(qd, _gather(k_cache, batch.decode_tables),
+                                           _gather(v_cache, batch.decode_tables),
                                            attn_mask=batch.decode_masks[window], scale=scale)
-        out[:nd] = o.reshape(nd, n_heads, head_dim)
-    elif nd:
-        span, length = batch.decode_span, batch.decode_len
-        qd = q[:nd].view(nd, n_kv, group, head_dim)
-        if not batch.decode_dense:
-            full = q.new_zeros(span, n_kv, group, head_dim)
-            full[batch.decode_slots] = qd
-            qd = full
-        o = F.scaled_dot_product_attention(
-            qd, k_cache[:span, :, :length], v_cache[:span, :, :length], attn_mask=batch.decode_masks[window],
-            scale=scale,
-        )
-        if not batch.decode_dense:
-            o = o[batch.decode_slots]
         out[:nd] = o.reshape(nd, n_heads, head_dim)
 
     for chunk in batch.prefills:
-        t = chunk.length
+        t, ctx = chunk.length, chunk.context_len
         qc = q[chunk.start : chunk.start + t].view(t, n_kv, group, head_dim)
         qc = qc.permute(1, 2, 0, 3).reshape(1, n_kv, group * t, head_dim)
-        kc = k_cache[chunk.slot : chunk.slot + 1, :, : chunk.context_len]
-        vc = v_cache[chunk.slot : chunk.slot + 1, :, : chunk.context_len]
+        kc = _gather(k_cache, chunk.table)[:, :ctx].unsqueeze(0)
+        vc = _gather(v_cache, chunk.table)[:, :ctx].unsqueeze(0)
         mask = chunk.masks[window].repeat(group, 1)
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
         o = o.view(n_kv, group, t, head_dim).permute(2, 0, 1, 3)

@@ -58,9 +58,10 @@ class FusedDecode:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 rows: torch.Tensor) -> torch.Tensor:
-        """Logits [len(rows), vocab] for those of M tokens, each at its own (slot, position)."""
+                 tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(rows), vocab] for those of M tokens, each at its own (slot, position); the
+        caches are pools of blocks, and `tables` [slots, max_blocks] lists each slot's blocks."""
         rotary = self.model.rotary
         x = self.model.embed_tokens(input_ids)
-        return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, self.tensors, self.out_features,
+        return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, tables, self.tensors, self.out_features,
                                     self.model.norm.weight.detach(), *self.args, rows)

@@ -79,17 +79,24 @@ inline float dot(const float* q, const float* k, int64_t n) {
     return s;
 }
 
-// o = scale * sum_j p[j] v[j] over `count` value rows of size n
-inline void weighted_sum(const float* p, const float* v, int64_t count, float scale, float* o, int64_t n) {
+// o[0..n) = scale * sum_j p[j] v_j over positions j in [start, end), whose rows lie in blocks of B
+// positions: row(j0) is the row of j0, and the rows after it up to its block's end follow it.
+template <class Row>
+inline void weighted_sum(const float* p, int64_t start, int64_t end, int64_t B, Row row, float scale, float* o,
+                         int64_t n) {
     if (n == 64) {  // four vectors hold the whole output row
         simd::F a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < count; ++j) {
-            const simd::F w = simd::set1(p[j]);
-            const float* r = v + j * 64;
-            a0 = simd::fma(w, simd::load(r), a0);
-            a1 = simd::fma(w, simd::load(r + 16), a1);
-            a2 = simd::fma(w, simd::load(r + 32), a2);
-            a3 = simd::fma(w, simd::load(r + 48), a3);
+        for (int64_t j0 = start; j0 < end;) {
+            const int64_t stop = std::min(end, (j0 / B + 1) * B);
+            const float* r = row(j0);
+            for (int64_t j = j0; j < stop; ++j, r += 64) {
+                const simd::F w = simd::set1(p[j]);
+                a0 = simd::fma(w, simd::load(r), a0);
+                a1 = simd::fma(w, simd::load(r + 16), a1);
+                a2 = simd::fma(w, simd::load(r + 32), a2);
+                a3 = simd::fma(w, simd::load(r + 48), a3);
+            }
+            j0 = stop;
         }
         const simd::F s = simd::set1(scale);
         simd::store(o, a0 * s);
@@ -99,8 +106,13 @@ inline void weighted_sum(const float* p, const float* v, int64_t count, float sc
         return;
     }
     for (int64_t e = 0; e < n; ++e) o[e] = 0.0f;
-    for (int64_t j = 0; j < count; ++j)
-        for (int64_t e = 0; e < n; ++e) o[e] += p[j] * v[j * n + e];
+    for (int64_t j0 = start; j0 < end;) {
+        const int64_t stop = std::min(end, (j0 / B + 1) * B);
+        const float* r = row(j0);
+        for (int64_t j = j0; j < stop; ++j, r += n)
+            for (int64_t e = 0; e < n; ++e) o[e] += p[j] * r[e];
+        j0 = stop;
+    }
     for (int64_t e = 0; e < n; ++e) o[e] *= scale;
 }
 
@@ -121,8 +133,14 @@ struct Linear {
 struct Layer {
     const float *input_norm, *post_norm;
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  // [slots, kv_heads, max_len, head_dim]
-    int64_t max_len;
+    float *k_cache, *v_cache;  // pools of blocks: [blocks, kv_heads, block, head_dim]
+};
+
+// Where a sequence's positions lie in the pools: position p of the sequence whose table row is
+// `row` is in block row[p / block], at p % block.
+struct Tables {
+    const int64_t* rows;  // [slots, stride]: each slot's blocks in position order
+    int64_t stride, block;
 };
 
 struct Dims {
@@ -133,8 +151,8 @@ struct Dims {
 // x [M, hidden]: the tokens' embeddings, at positions pos[M] of slots slot[M]; cos, sin
 // [max_pos, head_dim]. Writes logits [n_out, head.out] for the rows out[0..n_out) (a prompt chunk
 // samples from its last token only, and the head is a fifth of a small model's weights).
-inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const float* C,
-                        const float* S, const std::vector<Layer>& layers, const float* final_norm,
+inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
+                        const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
                         const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits) {
     const int64_t hidden = dims.hidden, n_heads = dims.n_heads, n_kv = dims.n_kv, head_dim = dims.head_dim;
     const int64_t group = n_heads / n_kv, q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;
@@ -147,8 +165,12 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
     auto add_into_h = [&](const float* y) {
         for (int64_t i = 0; i < M * hidden; ++i) h[i] += y[i];
     };
+    const int64_t B = tables.block, block_stride = n_kv * B * head_dim;
+    // Offset in a pool of the key (or value) of KV head kh at position p of token m's sequence.
+    auto at = [&](int64_t m, int64_t kh, int64_t p) {
+        return (tables.rows[slot[m] * tables.stride + p / B] * n_kv + kh) * B * head_dim + (p % B) * head_dim;
+    };
     for (const Layer& L : layers) {
-        const int64_t slot_stride = n_kv * L.max_len * head_dim, head_stride = L.max_len * head_dim;
         rms_norm(h.data(), L.input_norm, xn.data(), M, hidden, dims.eps);
         qkv.resize(M * row);
         L.qkv(xn.data(), M, qkv.data());
@@ -158,10 +180,9 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
             const float* s = S + pos[m] * head_dim;
             for (int64_t hd = 0; hd < n_heads + n_kv; ++hd) rope(r + hd * head_dim, c, s, head_dim);
             for (int64_t kh = 0; kh < n_kv; ++kh) {
-                float* kd = L.k_cache + slot[m] * slot_stride + kh * head_stride + pos[m] * head_dim;
-                float* vd = L.v_cache + slot[m] * slot_stride + kh * head_stride + pos[m] * head_dim;
-                std::memcpy(kd, r + q_dim + kh * head_dim, head_dim * sizeof(float));
-                std::memcpy(vd, r + q_dim + kv_dim + kh * head_dim, head_dim * sizeof(float));
+                const int64_t o = at(m, kh, pos[m]);
+                std::memcpy(L.k_cache + o, r + q_dim + kh * head_dim, head_dim * sizeof(float));
+                std::memcpy(L.v_cache + o, r + q_dim + kv_dim + kh * head_dim, head_dim * sizeof(float));
             }
         }
         const float* QKV = qkv.data();
@@ -171,12 +192,16 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
             for (int64_t i = i0; i < i1; ++i) {
                 const int64_t m = i / n_heads, hq = i % n_heads, kh = hq / group;
                 const float* q = QKV + m * row + hq * head_dim;
-                const float* K = L.k_cache + slot[m] * slot_stride + kh * head_stride;
-                const float* V = L.v_cache + slot[m] * slot_stride + kh * head_stride;
                 const int64_t end = pos[m] + 1, start = dims.window > 0 ? std::max<int64_t>(0, end - dims.window) : 0;
-                for (int64_t j = start; j < end; ++j) p[j] = dot(q, K + j * head_dim, head_dim) * scale;
+                // A block at a time: its keys (and values) of one head are contiguous.
+                for (int64_t j0 = start; j0 < end;) {
+                    const float* K = L.k_cache + at(m, kh, j0);
+                    const int64_t n = std::min(end, (j0 / B + 1) * B) - j0;
+                    for (int64_t j = 0; j < n; ++j) p[j0 + j] = dot(q, K + j * head_dim, head_dim) * scale;
+                    j0 += n;
+                }
                 const float total = softmax_exp(p.data() + start, end - start);
-                weighted_sum(p.data() + start, V + start * head_dim, end - start, 1.0f / total,
+                weighted_sum(p.data(), start, end, B, [&](int64_t j) { return L.v_cache + at(m, kh, j); }, 1.0f / total,
                              A + m * q_dim + hq * head_dim, head_dim);
             }
         });

@@ -37,13 +37,15 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 }
 
 // x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [max_pos, head_dim].
+// tables [slots, max_blocks] int64: each slot's blocks in position order (kv_cache.py).
 // layers: per layer 2 norm weights, 4 linears (qkv, o, gate_up, down) of 2 tensors each (packed
-// blocks, bias or an empty tensor), then the layer's K and V caches [slots, kv_heads, max_len,
+// blocks, bias or an empty tensor), then the layer's K and V pools [blocks, kv_heads, block,
 // head_dim]: 12 tensors a layer; after the last layer the output head's 2. out_features: each
 // linear's output size, in the same order. norm: the final norm's weight. Returns logits
 // [len(logit_rows), vocab] for those rows of x (none when it is empty: a prompt chunk before the last).
 torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
-                          torch::Tensor sin, std::vector<torch::Tensor> layers, std::vector<int64_t> out_features,
+                          torch::Tensor sin, torch::Tensor tables, std::vector<torch::Tensor> layers,
+                          std::vector<int64_t> out_features,
                           torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
                           int64_t window, torch::Tensor logit_rows) {
     TORCH_CHECK(layers.size() % 12 == 2, "12 tensors per layer and 2 for the head");
@@ -54,6 +56,22 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                 positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
     x = x.contiguous();
     const int64_t hidden = x.size(1), q_dim = n_heads * head_dim;
+    TORCH_CHECK(n_layers > 0 && layers[10].dim() == 4, "KV pools: [blocks, kv_heads, block, head_dim]");
+    const int64_t n_blocks = layers[10].size(0), block = layers[10].size(2);
+    TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 && tables.is_contiguous(),
+                "tables: contiguous [slots, max_blocks] int64");
+    TORCH_CHECK(cos.size(0) == sin.size(0), "cos, sin: [max_pos, head_dim]");
+    {  // every block a token writes or reads must lie in the pools
+        const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
+        const int64_t* t = tables.data_ptr<int64_t>();
+        for (int64_t m = 0; m < x.size(0); ++m) {
+            TORCH_CHECK(slot[m] >= 0 && slot[m] < tables.size(0) && pos[m] >= 0 && pos[m] < cos.size(0) &&
+                        pos[m] / block < tables.size(1), "a token's slot or position lies outside the tables");
+            for (int64_t i = 0; i <= pos[m] / block; ++i)
+                TORCH_CHECK(t[slot[m] * tables.size(1) + i] >= 0 && t[slot[m] * tables.size(1) + i] < n_blocks,
+                            "a table names a block outside the pools");
+        }
+    }
     auto lin = [&](size_t i, int64_t in, int64_t out) {
         const torch::Tensor& packed = layers[i];
         check_packed(packed, in, out);
@@ -66,11 +84,13 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
         const size_t b = 12 * l;
         const int64_t* nout = out_features.data() + 4 * l;
         torch::Tensor kc = layers[b + 10], vc = layers[b + 11];
-        TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(1) == n_kv && kc.size(3) == head_dim,
-                    "KV caches: contiguous [slots, kv_heads, max_len, head_dim]");
+        TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(1) == n_kv &&
+                    kc.size(2) == block && kc.size(3) == head_dim && vc.sizes() == kc.sizes(),
+                    "KV caches: contiguous [blocks, kv_heads, block, head_dim], the block as the tables' pools");
+        TORCH_CHECK(kc.size(0) == n_blocks, "every layer's pool has the same blocks");
         ls.push_back({layers[b].data_ptr<float>(), layers[b + 1].data_ptr<float>(), lin(b + 2, hidden, nout[0]),
                       lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
-                      kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(2)});
+                      kc.data_ptr<float>(), vc.data_ptr<float>()});
     }
     const wafer::Linear head = lin(12 * n_layers, hidden, out_features.back());
     TORCH_CHECK(logit_rows.scalar_type() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows: [R] int64");
@@ -80,6 +100,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
     auto logits = torch::empty({logit_rows.numel(), head.out}, torch::kFloat32);
     const wafer::Dims dims{hidden, n_heads, n_kv, head_dim, window, static_cast<float>(eps)};
     wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                       wafer::Tables{tables.data_ptr<int64_t>(), tables.size(1), block},
                        cos.contiguous().data_ptr<float>(), sin.contiguous().data_ptr<float>(), ls,
                        norm.data_ptr<float>(), head, dims, rows, logit_rows.numel(), logits.data_ptr<float>());
     return logits;

@@ -478,7 +478,12 @@ void test_attention_parts() {
             dot_err = std::max(dot_err, std::fabs(wafer::dot(q.data(), v.data() + j * n, n) - want) / size);
         }
         const float scale = 0.37f;
-        wafer::weighted_sum(p.data(), v.data(), count, scale, o.data(), n);
+        // The rows in blocks of 3, stored in reverse block order: the sum must follow the blocks.
+        const int64_t B = 3, nb = (count + B - 1) / B;
+        std::vector<float> blocks(nb * B * n);
+        auto row = [&](int64_t j) { return blocks.data() + ((nb - 1 - j / B) * B + j % B) * n; };
+        for (int64_t j = 0; j < count; ++j) std::copy(v.begin() + j * n, v.begin() + (j + 1) * n, row(j));
+        wafer::weighted_sum(p.data(), 0, count, B, row, scale, o.data(), n);
         double ws_err = 0.0;
         for (int64_t e = 0; e < n; ++e) {
             double want = 0.0, size = 0.0;
@@ -497,7 +502,7 @@ void test_attention_parts() {
 
 struct Model {
     static constexpr int64_t hidden = 64, n_heads = 4, n_kv = 2, head_dim = 16, inter = 128, vocab = 50, n_layers = 2;
-    static constexpr int64_t slots = 3, max_len = 16, max_pos = 16;
+    static constexpr int64_t slots = 3, max_len = 16, max_pos = 16, block = 4, blocks = slots * max_len / block;
     static constexpr int64_t q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, row = q_dim + 2 * kv_dim;
     static constexpr float eps = 1e-5f;
     struct LayerW {
@@ -677,14 +682,18 @@ void test_decode_step() {
     for (int64_t window : {0, 3}) {
         Rng rng(100 + window);
         const int64_t other = window == 0 ? 3 : 4;  // a wrong window: the check must tell it apart
-        const size_t cache = static_cast<size_t>(Model::slots * Model::n_kv * Model::max_len * Model::head_dim);
+        const size_t cache = static_cast<size_t>(Model::blocks * Model::n_kv * Model::block * Model::head_dim);
+        // Each slot's blocks scattered over the pool (slot s, block i -> (5 (s * 4 + i) + 3) mod 12).
+        std::vector<int64_t> table(Model::blocks);
+        for (int64_t i = 0; i < Model::blocks; ++i) table[i] = (5 * i + 3) % Model::blocks;
+        const wafer::Tables tables{table.data(), Model::max_len / Model::block, Model::block};
         std::vector<std::vector<float>> kc(Model::n_layers, std::vector<float>(cache, NAN)), vc = kc;  // NaN: never written
         std::vector<wafer::Layer> layers;
         for (int64_t l = 0; l < Model::n_layers; ++l) {
             const Model::LayerW& L = md.layers[l];
             auto lin = [](const Weights& w, const float* bias) { return wafer::Linear{w.packed.data(), w.bits, bias, w.K, w.N}; };
             layers.push_back({L.input_norm.data(), L.post_norm.data(), lin(L.qkv, L.qkv_bias.data()), lin(L.o, nullptr),
-                              lin(L.gate_up, nullptr), lin(L.down, nullptr), kc[l].data(), vc[l].data(), Model::max_len});
+                              lin(L.gate_up, nullptr), lin(L.down, nullptr), kc[l].data(), vc[l].data()});
         }
         const wafer::Linear head{md.head.packed.data(), 8, nullptr, Model::hidden, Model::vocab};
         const wafer::Dims dims{Model::hidden, Model::n_heads, Model::n_kv, Model::head_dim, window, Model::eps};
@@ -710,7 +719,7 @@ void test_decode_step() {
             const int64_t n_out = static_cast<int64_t>(s.out.size());
             std::vector<float> logits(M * Model::vocab + 16, 12345.0f);
             const bool selected = decode_rows(0, s.out.data(), n_out, logits.data(), x.data(), M, s.pos.data(), s.slot.data(),
-                                              md.cos.data(), md.sin.data(), layers, md.final_norm.data(), head, dims);
+                                              tables, md.cos.data(), md.sin.data(), layers, md.final_norm.data(), head, dims);
             rows_api = selected;
             if (!untouched(logits, (selected ? n_out : M) * Model::vocab)) worst = INFINITY;
             const std::vector<double> other_want = wrong.step(x, s);

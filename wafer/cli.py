@@ -282,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--max-model-len", type=int, default=4096, help="context to allocate per sequence")
     s.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step (prefill chunk)")
+    s.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="KV-cache budget per model, e.g. 2GiB or 512MB (default: a quarter of the machine's memory, "
+                        "or less when every running sequence fits at its whole context). Past it, new requests "
+                        "wait and the latest running one is preempted and recomputed later")
     s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
     _quant_arg(s)
     s.add_argument("--config", default=None, help="TOML file with models, tiers, aliases, upstreams and routing")

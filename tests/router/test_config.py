@@ -118,3 +118,17 @@ def test_prices_by_the_model_name_a_completion_carries(tmp_path):
 def test_agents_subagent_model(tmp_path):
     assert load_config(write(tmp_path, "[models.a]\n[agents]\nsubagent_model = 'luna'")).subagent_model == "luna"
     assert load_config(write(tmp_path, "[models.a]")).subagent_model is None
+
+
+def test_kv_cache_memory_takes_sizes_with_units(tmp_path):
+    from wafer.router.config import parse_size
+
+    assert [parse_size(v) for v in (1024, "1024", "2GiB", "512MB", "1.5G", "64 KiB")] == [
+        1024, 1024, 2 * 1024**3, 512 * 1000**2, 1_500_000_000, 64 * 1024]
+    for bad in ("lots", "2 parsecs", "-1G", ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    cfg = load_config(write(tmp_path, '[models.small]\npath = "bundled"\nkv_cache_memory = "256MiB"\n'))
+    assert cfg.models["small"].options["kv_cache_memory"] == 256 * 1024**2
+    with pytest.raises(ConfigError, match="kv_cache_memory|not a size"):
+        load_config(write(tmp_path, '[models.small]\npath = "bundled"\nkv_cache_memory = "lots"\n'))

@@ -7,6 +7,7 @@ Single-threaded by design: the server runs it in one thread of its own and talks
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -36,8 +37,8 @@ log = logging.getLogger("wafer.engine")
 class EngineConfig:
     max_running: int = 16
     max_model_len: int | None = None  # default: the model's context length
-    # Bytes of KV the cache may hold (default: every running sequence at max_model_len). The pool
-    # takes memory only as its blocks are first written.
+    # Bytes of KV the cache may hold (default: default_kv_budget(), or less when every running
+    # sequence fits at max_model_len). The pool takes memory only as its blocks are first written.
     kv_cache_memory: int | None = None
     max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
@@ -46,6 +47,12 @@ class EngineConfig:
     prefill_step_seconds: float | None = None
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+
+def default_kv_budget() -> int:
+    """A quarter of the machine's memory: room for the weights, the other models of a server, and
+    the rest of the system (vLLM takes a share of the GPU's memory the same way)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 @dataclass
@@ -68,12 +75,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         ctx = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or ctx, ctx)
-        num_blocks = None
-        if self.config.kv_cache_memory is not None:
-            per_block = bytes_per_token(loaded.config, loaded.model.norm.weight.dtype) * BLOCK
-            num_blocks = max(1, self.config.kv_cache_memory // per_block)
-            # One sequence must always fit, so that preemption can always make progress.
-            self.max_model_len = min(self.max_model_len, num_blocks * BLOCK)
+        per_block = bytes_per_token(loaded.config, loaded.model.norm.weight.dtype) * BLOCK
+        budget = self.config.kv_cache_memory or default_kv_budget()
+        full = self.config.max_running * -(-self.max_model_len // BLOCK)
+        num_blocks = max(1, min(full, budget // per_block))
+        # One sequence must always fit, so that preemption can always make progress.
+        self.max_model_len = min(self.max_model_len, num_blocks * BLOCK)
         self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len, num_blocks)
         self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
                                    self.config.prefix_caching)

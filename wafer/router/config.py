@@ -44,6 +44,8 @@
 
 from __future__ import annotations
 
+import re
+
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +61,7 @@ from wafer.errors import WaferError
 TIERS = ("sol", "terra", "luna")
 ROUTER_NAMES = ("auto", "gpt-5.6")
 TIER_ALIASES = {"gpt-5.6-sol": "sol", "gpt-5.6-terra": "terra", "gpt-5.6-luna": "luna"}
-ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens")
+ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens", "kv_cache_memory")
 # Tokens of reasoning per effort level before the answer; `ultra` reasons as `max` does. Each level
 # has about four times the budget of the one below it, from a short plan to a long derivation.
 REASONING_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096, "xhigh": 8192,
@@ -68,6 +70,20 @@ REASONING_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high
 
 class ConfigError(WaferError):
     pass
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from 1073741824, "1GiB", "512MB" or "1.5G" (decimal units, and binary ones with an i)."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size (e.g. 2GiB, 512MB, or bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass
@@ -256,7 +272,11 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
     models = {}
     for name, m in (raw.get("models") or {}).items():
         path = m.get("path", "bundled")
-        opts = {**cli_options, **{k: int(v) for k, v in m.items() if k in ENGINE_OPTIONS}}
+        try:
+            opts = {**cli_options, **{k: parse_size(v) if k == "kv_cache_memory" else int(v)
+                                      for k, v in m.items() if k in ENGINE_OPTIONS}}
+        except ValueError as e:
+            raise ConfigError(f"model {name!r}: {e}") from None
         unknown = set(m) - {"path", "sampling", "price", *MODEL_SETTINGS, *ENGINE_OPTIONS}
         if unknown:
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")

@@ -24,7 +24,15 @@ from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.speculative import SpeculativeConfig
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
-from wafer.router.config import ConfigError, ServeConfig, catalog_config, default_config, draft_target, load_config
+from wafer.router.config import (
+    ConfigError,
+    ServeConfig,
+    catalog_config,
+    default_config,
+    draft_target,
+    load_config,
+    parse_size,
+)
 from wafer.router.router import Router
 from wafer.server.app import create_app, prompt_counter
 from wafer.server.generation import ServedModel
@@ -41,13 +49,15 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_wa
                  max_model_len: int | None, max_batched_tokens: int = 256,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
                  prefix_caching: bool = True, sampling: dict[str, float] | None = None,
-                 prefill_step_seconds: float | None = PREFILL_STEP_SECONDS) -> ServedModel:
+                 prefill_step_seconds: float | None = PREFILL_STEP_SECONDS,
+                 kv_cache_memory: int | None = None) -> ServedModel:
     """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
     over the model's own."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
                                             speculative=speculative or SpeculativeConfig(),
-                                            prefill_step_seconds=prefill_step_seconds), draft=draft)
+                                            prefill_step_seconds=prefill_step_seconds,
+                                            kv_cache_memory=kv_cache_memory), draft=draft)
     engine.warmup()
     # The grammar engine's view of the vocabulary: half a second to build, holding the GIL, so built
     # now rather than under the first request with a schema (which would stall every stream).
@@ -224,7 +234,7 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
             served.append(build_served(target, [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
                                        o.get("max_model_len", 4096), o.get("max_batched_tokens", 256),
                                        speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
-                                       sampling=m.sampling))
+                                       sampling=m.sampling, kv_cache_memory=o.get("kv_cache_memory")))
             served[-1].reasoning = dict(cfg.reasoning)
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
@@ -252,6 +262,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
                "max_batched_tokens": args.max_batched_tokens}
+    if args.kv_cache_memory is not None:
+        try:
+            options["kv_cache_memory"] = parse_size(args.kv_cache_memory)
+        except ValueError as e:
+            raise ConfigError(f"--kv-cache-memory: {e}") from None
     settings = {"device": args.device, "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
                 "prefix_caching": not args.no_prefix_caching}
     keys = api_keys(args.api_key, args.api_key_file)  # before the models load: a bad key file fails fast

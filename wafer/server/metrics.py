@@ -141,8 +141,8 @@ class ServerMetrics:
                                         lbl + ["effort"], registry=r)
         self.running = Gauge("wafer:num_requests_running", "Sequences in the running batch.", lbl, registry=r)
         self.waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
-        self.kv = Gauge("wafer:kv_cache_usage_perc", "Fraction of KV-cache token capacity in use (0 to 1).", lbl,
-                        registry=r)
+        self.kv = Gauge("wafer:kv_cache_usage_perc",
+                        "Fraction of the KV cache's blocks held by running sequences (0 to 1).", lbl, registry=r)
         self.batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
         self.prefix_hit_rate = Gauge("wafer:prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / prompt tokens looked up.", lbl,
@@ -236,7 +236,7 @@ class ServerMetrics:
 
 
 class _SpecDecodeCollector:
-    """Speculative decoding counters as vLLM names them, read from the engines at scrape time."""
+    """Speculative decoding and preemption counters as vLLM names them, read from the engines at scrape time."""
 
     def __init__(self, engines: dict[str, Any]) -> None:
         self.engines = engines
@@ -252,6 +252,8 @@ class _SpecDecodeCollector:
                                       labels=lbl + ["position"])
         length = GaugeMetricFamily("wafer:spec_decode_mean_acceptance_length",
                                    "Tokens per verifying step: 1 + accepted / drafts (0 before any draft).", labels=lbl)
+        preempted = CounterMetricFamily("wafer:num_preemptions", "Running sequences stopped for want of KV "
+                                        "blocks, to be computed again (as vLLM's num_preemptions).", labels=lbl)
         for name, engine in self.engines.items():
             st = engine.engine.stats.spec
             drafts.add_metric([name], st.drafts)
@@ -260,7 +262,8 @@ class _SpecDecodeCollector:
             for pos, n in enumerate(st.accepted_per_pos):
                 per_pos.add_metric([name, str(pos)], n)
             length.add_metric([name], st.mean_acceptance_length)
-        yield from (drafts, tokens, accepted, per_pos, length)
+            preempted.add_metric([name], engine.engine.scheduler.num_preemptions)
+        yield from (drafts, tokens, accepted, per_pos, length, preempted)
 
 
 class StatusCounter:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "wafer.cli", *args], input=stdin, capture_output=True, text=True,
@@ -15,6 +17,19 @@ def test_info_default_model():
     r = run("info")
     assert r.returncode == 0, r.stderr
     assert "llama" in r.stdout and "46,080" in r.stdout and "8192" in r.stdout and "Q4_1" in r.stdout
+
+
+def test_info_gemma3_splits_kv_bytes_by_layer_type():
+    from wafer.models import catalog
+
+    if catalog.installed_path(catalog.find("gemma-3-270m")) is None:
+        pytest.skip("gemma-3-270m is not installed (`wafer models install`, which `make test` runs)")
+    r = run("info", "gemma-3-270m")
+    assert r.returncode == 0, r.stderr
+    assert "gemma3" in r.stdout and "4 query, 1 KV (head dim 256)" in r.stdout
+    # 2 (K and V) x 1 KV head x 256 x 4 bytes = 2,048 a layer; 3 global layers of 18
+    assert "36,864 (float32): global 3 layers x 2,048 = 6,144; windowed (512 tokens) 15 layers x 2,048 = 30,720" \
+        in r.stdout
 
 
 def test_info_names_the_compute_path():

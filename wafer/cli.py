@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import LoadedModel
+    from wafer.models.config import ModelConfig
 
 EXIT_USAGE = 2
 
@@ -150,10 +151,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("hidden size", str(c.hidden_size)),
         ("attention heads", f"{c.num_heads} query, {c.num_kv_heads} KV (head dim {c.head_dim})"),
         ("context length", str(c.max_position_embeddings)),
-        ("KV bytes per token", f"{c.kv_bytes_per_token:,} (float32)"),
+        ("KV bytes per token", _kv_bytes_line(c)),
         ("vocabulary", str(c.vocab_size)),
-        ("rope", f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling}" if c.rope_scaling else "")),
-        ("sliding window", str(c.sliding_window) if c.sliding_window else "none"),
+        ("rope", f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling}" if c.rope_scaling else "")
+         + (f"; windowed layers theta {c.extra['rope_local_theta']:g}" if "rope_local_theta" in c.extra else "")),
+        ("sliding window", "none" if not c.sliding_window else str(c.sliding_window) if c.layer_windows is None
+         else f"{c.sliding_window} on {sum(w is not None for w in c.windows)} of {c.num_layers} layers"),
         ("tied embeddings", str(c.tie_word_embeddings).lower()),
         ("chat template", "model's own" if loaded.tokenizer.chat_template else "default (ChatML)"),
         ("sampling defaults", f"{describe_sampling(loaded.sampling)} (from {loaded.sampling_source})"),
@@ -162,6 +165,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _kv_bytes_line(c: "ModelConfig") -> str:
+    """KV bytes per token at float32, split by layer type where some layers attend to a window."""
+    line = f"{c.kv_bytes_per_token:,} (float32)"
+    windows = c.windows
+    if all(w is None for w in windows):
+        return line
+    per_layer = c.kv_bytes_per_token // c.num_layers
+    kinds = []
+    for w in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
+        n = windows.count(w)
+        kind = "global" if w is None else f"windowed ({w:,} tokens)"
+        kinds.append(f"{kind} {n} layers x {per_layer:,} = {n * per_layer:,}")
+    return f"{line}: {'; '.join(kinds)}"
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -33,10 +33,11 @@ def corpus_ids(tokenizer, n_tokens: int) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
 
 
-def perplexity(loaded, ids: list[int], window: int, step: int) -> float:
+def perplexity(loaded, ids: list[int], window: int, step: int, kv_dtype: torch.dtype | None = None) -> float:
     """Each window is fed `step` tokens per forward pass, so the kernels measured are those that run
-    batches of that many rows (decode-sized steps by default, not the prefill path)."""
-    kv = KVCache(loaded.config, 1, window)
+    batches of that many rows (decode-sized steps by default, not the prefill path). `kv_dtype`: the
+    KV cache's (default: the model's activation dtype)."""
+    kv = KVCache(loaded.config, 1, window, dtype=kv_dtype or loaded.model.norm.weight.dtype)
     runner = ModelRunner(loaded.model, kv)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):

@@ -25,10 +25,11 @@ VARIANTS = [v.name for v in runnable()]
 NATS = math.sqrt(2) * TOLERANCE_NATS  # 1.24
 
 
-def decode_logits(loaded, prompts: list[list[int]], steps: int, variant: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_logits(loaded, prompts: list[list[int]], steps: int, variant: str,
+                  kv_dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill the prompts, then decode them together; at each step the fused (in `variant`) and
     the Python logits."""
-    kv = KVCache(loaded.config, len(prompts), 256)
+    kv = KVCache(loaded.config, len(prompts), 256, dtype=kv_dtype)
     runner = ModelRunner(loaded.model, kv)
     assert runner.fused is not None  # the active variant's
     runner.fused = FusedDecode.build(loaded.model, kv.layers, load(variant))
@@ -98,3 +99,25 @@ def test_fused_step_is_batch_invariant(smollm, variant):
         for item, row in zip(items, together):
             assert torch.equal(runner.run([item])[0], row)  # rewrites the same KV entries
         advance(seqs, together)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("arch,kw", [("mistral", {"sliding_window": 8}),
+                                     ("llama", {"hidden_size": 96, "intermediate_size": 192})])  # head size 24
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_low_precision_kv_in_the_fused_step_matches_python(tmp_path, arch, kw, variant, kv_dtype):
+    """bfloat16 and int8 rows (with their scales) are written and read alike by both paths."""
+    from tests.tiny import make_hf_model
+
+    loaded = load_model(str(make_hf_model(tmp_path, arch, seed=3, **kw)), compute="q4")
+    prompts = [[1, 5, 9, 13, 200, 7, 7, 42, 300, 12, 14, 15], [1, 88, 77]]
+    steps = decode_logits(loaded, prompts, 12, variant, kv_dtype)
+    close = 0
+    for fused, python in steps:
+        scale = python.abs().max()
+        assert (fused - python).abs().max() < 0.05 * scale
+        close += bool((fused - python).abs().max() < 1e-4 * scale)
+    assert close >= len(steps) // 2
+    # And the rounding is real: the same model on a float32 cache gives other logits.
+    exact = decode_logits(loaded, prompts, 12, variant)
+    assert max((f - e).abs().max() for (f, _), (e, _) in zip(steps, exact)) > 1e-4 * scale

@@ -55,3 +55,21 @@ def test_every_kernel_variant_perplexity_within_two_percent_of_f32(reference, pa
     assert loaded.compute == path and variant in loaded.kernels, (loaded.kernels, loaded.warning)
     ppl = perplexity(loaded, ids, WINDOW, WINDOW)
     assert ppl <= 1.02 * ref, (path, loaded.kernels, ppl, ref)
+
+
+# A window of 2,048 tokens, so that keys and values rounded long before the query count too.
+@pytest.mark.parametrize("kv_dtype", ["int8", "bf16"])
+def test_low_precision_kv_perplexity_within_half_a_percent_of_f32_kv(smollm, kv_dtype):
+    import torch
+
+    from wafer.engine.kv_cache import KV_DTYPES
+
+    ids = corpus_ids(smollm.tokenizer, 2048)
+    assert len(ids) == 2048
+    exact = perplexity(smollm, ids, 2048, 512, torch.float32)
+    rounded = perplexity(smollm, ids, 2048, 512, KV_DTYPES[kv_dtype])
+    print(f"{smollm.compute} {smollm.kernels}: perplexity with f32 KV {exact:.4f}, {kv_dtype} KV {rounded:.4f} "
+          f"({rounded / exact:.4f})")
+    assert 5 < exact < 50
+    assert rounded <= 1.005 * exact, (kv_dtype, rounded, exact)
+    assert rounded != exact  # the cache really held the rounded rows

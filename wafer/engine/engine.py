@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wafer.engine.constraints import Constraints, mask_logits
-from wafer.engine.kv_cache import BLOCK, KVCache, bytes_per_token
+from wafer.engine.kv_cache import BLOCK, KV_DTYPES, KVCache, bytes_per_token
 from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import ScheduledSeq, Scheduler
@@ -40,6 +40,7 @@ class EngineConfig:
     # Bytes of KV the cache may hold (default: default_kv_budget(), or less when every running
     # sequence fits at max_model_len). The pool takes memory only as its blocks are first written.
     kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"  # f32, bf16 or int8 (scales per position and head); see kv_dtype()
     max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
     # Seconds of prompt work a step may add while other sequences decode (None: no limit). The
@@ -47,6 +48,15 @@ class EngineConfig:
     prefill_step_seconds: float | None = None
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+
+def kv_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
+    """The KV cache's element type: `auto` keeps the model's activation dtype."""
+    if name == "auto":
+        return loaded.model.norm.weight.dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_DTYPES)}, not {name!r}")
+    return KV_DTYPES[name]
 
 
 def default_kv_budget() -> int:
@@ -75,13 +85,15 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         ctx = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or ctx, ctx)
-        per_block = bytes_per_token(loaded.config, loaded.model.norm.weight.dtype) * BLOCK
+        self.kv_dtype = kv_dtype(self.config.kv_cache_dtype, loaded)
+        per_block = bytes_per_token(loaded.config, self.kv_dtype) * BLOCK
         budget = self.config.kv_cache_memory or default_kv_budget()
         full = self.config.max_running * -(-self.max_model_len // BLOCK)
         num_blocks = max(1, min(full, budget // per_block))
         # One sequence must always fit, so that preemption can always make progress.
         self.max_model_len = min(self.max_model_len, num_blocks * BLOCK)
-        self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len, num_blocks)
+        self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len, num_blocks,
+                                    self.kv_dtype)
         self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
                                    self.config.prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv)

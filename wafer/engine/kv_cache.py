@@ -1,7 +1,9 @@
 """The KV cache in blocks: memory follows the tokens held, and a shared prefix is stored once.
 
 Every layer's keys and values live in one pool of blocks of BLOCK tokens,
-[num_blocks, kv_heads, BLOCK, head_dim] (KV heads are never expanded). A running sequence owns a
+[num_blocks, kv_heads, BLOCK, head_dim] (KV heads are never expanded), in float32, bfloat16, or int8
+with a scale per position and head: an int8 row is head_dim codes and then its float32 scale's 4
+bytes, so that a row is written and read as one piece. A running sequence owns a
 slot: a row of `tables` listing, in order, the blocks that hold its positions. Blocks are taken
 as its KV grows and given back when it ends, so a budget of blocks bounds what the cache holds,
 not `max_running x max_len`.
@@ -43,9 +45,17 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return torch.frombuffer(area, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)  # keeps `area` alive
 
 
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def row_size(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one head's row at one position: int8 rows end with their float32 scale's 4 bytes."""
+    return head_dim + 4 if dtype == torch.int8 else head_dim
+
+
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of K and V, all layers, for one token."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row_size(cfg.head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
 
 
 class KVCache:
@@ -54,7 +64,7 @@ class KVCache:
         """`num_blocks`: the pool's size (default: enough for every slot to hold `max_len` tokens)."""
         self.max_blocks = -(-max_len // BLOCK)  # per sequence
         num_blocks = num_blocks or num_slots * self.max_blocks
-        shape = (num_blocks, cfg.num_kv_heads, BLOCK, cfg.head_dim)
+        shape = (num_blocks, cfg.num_kv_heads, BLOCK, row_size(cfg.head_dim, dtype))
         # Zeros, not empty: masked positions still enter the attention product, and NaN * 0 is NaN.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)
@@ -80,10 +90,11 @@ class KVCache:
         self.prefix_hit_tokens = 0
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None) -> KVCache:
-        """A cache in the model's activation dtype, on its device."""
+    def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        """A cache on the model's device, in `dtype` (default: the model's activation dtype)."""
         emb = model.norm.weight  # type: ignore[union-attr]  # (the embedding may be held in file blocks)
-        return cls(model.config, num_slots, max_len, emb.dtype, emb.device, num_blocks)  # type: ignore[arg-type]
+        return cls(model.config, num_slots, max_len, dtype or emb.dtype, emb.device, num_blocks)  # type: ignore[arg-type]
 
     # --- sizes ---------------------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """Attention over a KV cache in blocks, for a flat batch that mixes decode and prefill.
 
-The cache of one layer is a pair of pools shaped [num_blocks, kv_heads, BLOCK, head_dim]; a
-sequence's positions lie in the blocks its table lists, in order. Each token's key and value are
+The cache of one layer is a pair of pools shaped [num_blocks, kv_heads, BLOCK, row] (float32,
+bfloat16, or int8 rows of head_dim codes and a float32 scale); a sequence's positions lie in the
+blocks its table lists, in order. Each token's key and value are
 written where its position falls; attention gathers a sequence's blocks into one run (on this path
 a gather is the price of sharing blocks; the fused CPU step reads them in place). Query heads are
 folded onto their KV head (grouped-query attention) instead of repeating K and V.
@@ -93,11 +94,27 @@ def decode_masks(lengths: list[int], max_len: int, windows: set[int | None]) -> 
     return {w: (causal if w is None else causal & (k > lens - 1 - w)).view(n, 1, 1, max_len) for w in windows}
 
 
-def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[..., blocks] tables -> [..., kv_heads, blocks * block, head_dim]: the blocks laid end to end."""
-    g = pool[tables]  # [..., blocks, kv, block, D]
-    g = g.transpose(-4, -3)  # [..., kv, blocks, block, D]
-    return g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
+def _gather(pool: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., blocks] tables -> [..., kv_heads, blocks * block, head_dim] in `dtype`: the blocks laid
+    end to end (an int8 pool's rows dequantised with their scales)."""
+    g = pool[tables]  # [..., blocks, kv, block, row]
+    g = g.transpose(-4, -3)  # [..., kv, blocks, block, row]
+    g = g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
+    if pool.dtype == torch.int8:
+        return g[..., :-4].to(dtype) * g[..., -4:].contiguous().view(torch.float32).to(dtype)
+    return g.to(dtype)
+
+
+def _store(pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [N, kv, D] at (block, offset) per token, rounded to the pool's format: int8 rows get
+    codes of x / scale, scale = max |x| / 127 per token and head, then the scale's bytes."""
+    if pool.dtype != torch.int8:
+        pool[blocks, :, offsets] = x.to(pool.dtype)
+        return
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x)).clamp(-127, 127).to(torch.int8)
+    pool[blocks, :, offsets] = torch.cat((codes, scale.view(torch.int8)), dim=-1)
 
 
 def attend(
@@ -115,15 +132,15 @@ def attend(
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
-    k_cache[batch.write_blocks, :, batch.write_offsets] = k
-    v_cache[batch.write_blocks, :, batch.write_offsets] = v
+    _store(k_cache, batch.write_blocks, batch.write_offsets, k)
+    _store(v_cache, batch.write_blocks, batch.write_offsets, v)
     out = torch.empty_like(q)
 
     nd = batch.num_decode
     if nd:
         qd = q[:nd].view(nd, n_kv, group, head_dim)
-        o = F.scaled_dot_product_attention(qd, _gather(k_cache, batch.decode_tables),
-                                           _gather(v_cache, batch.decode_tables),
+        o = F.scaled_dot_product_attention(qd, _gather(k_cache, batch.decode_tables, q.dtype),
+                                           _gather(v_cache, batch.decode_tables, q.dtype),
                                            attn_mask=batch.decode_masks[window], scale=scale)
         out[:nd] = o.reshape(nd, n_heads, head_dim)
 
@@ -131,8 +148,8 @@ def attend(
         t, ctx = chunk.length, chunk.context_len
         qc = q[chunk.start : chunk.start + t].view(t, n_kv, group, head_dim)
         qc = qc.permute(1, 2, 0, 3).reshape(1, n_kv, group * t, head_dim)
-        kc = _gather(k_cache, chunk.table)[:, :ctx].unsqueeze(0)
-        vc = _gather(v_cache, chunk.table)[:, :ctx].unsqueeze(0)
+        kc = _gather(k_cache, chunk.table, q.dtype)[:, :ctx].unsqueeze(0)
+        vc = _gather(v_cache, chunk.table, q.dtype)[:, :ctx].unsqueeze(0)
         mask = chunk.masks[window].repeat(group, 1)
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
         o = o.view(n_kv, group, t, head_dim).permute(2, 0, 1, 3)

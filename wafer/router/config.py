@@ -96,13 +96,15 @@ class LocalModelConfig:
     speculative: str = "off"  # off | ngram | draft:NAME
     num_speculative_tokens: int = 5
     prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto | f32 | bf16 | int8
     sampling: dict[str, float] = field(default_factory=dict)  # over the model's own defaults
     price: dict[str, float] = field(default_factory=dict)  # USD per million tokens, input and output
 
 
 # Per-model settings besides the integer engine options; the CLI's values are their defaults.
-MODEL_SETTINGS = ("quant", "device", "speculative", "num_speculative_tokens", "prefix_caching")
+MODEL_SETTINGS = ("quant", "device", "speculative", "num_speculative_tokens", "prefix_caching", "kv_cache_dtype")
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "f32", "bf16", "int8")
 
 
 @dataclass
@@ -284,6 +286,8 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
             raise ConfigError(f"model {name!r}: quant must be one of {', '.join(PATHS)}")
         if m.get("device", "auto") not in DEVICES:
             raise ConfigError(f"model {name!r}: device must be one of {', '.join(DEVICES)}")
+        if m.get("kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+            raise ConfigError(f"model {name!r}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         own = {**(settings or {}), **{k: m[k] for k in MODEL_SETTINGS if k in m and k != "quant"}}
         if not isinstance(m.get("sampling", {}), dict):
             raise ConfigError(f"model {name!r}: sampling must be a table, e.g. sampling = {{temperature = 0.7}}")

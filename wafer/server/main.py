@@ -50,14 +50,15 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_wa
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
                  prefix_caching: bool = True, sampling: dict[str, float] | None = None,
                  prefill_step_seconds: float | None = PREFILL_STEP_SECONDS,
-                 kv_cache_memory: int | None = None) -> ServedModel:
+                 kv_cache_memory: int | None = None, kv_cache_dtype: str = "auto") -> ServedModel:
     """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
     over the model's own."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
                                             speculative=speculative or SpeculativeConfig(),
                                             prefill_step_seconds=prefill_step_seconds,
-                                            kv_cache_memory=kv_cache_memory), draft=draft)
+                                            kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype),
+                       draft=draft)
     engine.warmup()
     # The grammar engine's view of the vocabulary: half a second to build, holding the GIL, so built
     # now rather than under the first request with a schema (which would stall every stream).
@@ -234,7 +235,8 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
             served.append(build_served(target, [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
                                        o.get("max_model_len", 4096), o.get("max_batched_tokens", 256),
                                        speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
-                                       sampling=m.sampling, kv_cache_memory=o.get("kv_cache_memory")))
+                                       sampling=m.sampling, kv_cache_memory=o.get("kv_cache_memory"),
+                                       kv_cache_dtype=m.kv_cache_dtype))
             served[-1].reasoning = dict(cfg.reasoning)
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
@@ -268,7 +270,7 @@ def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(f"--kv-cache-memory: {e}") from None
     settings = {"device": args.device, "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-                "prefix_caching": not args.no_prefix_caching}
+                "prefix_caching": not args.no_prefix_caching, "kv_cache_dtype": args.kv_cache_dtype}
     keys = api_keys(args.api_key, args.api_key_file)  # before the models load: a bad key file fails fast
     notes: list[str] = []
     if args.config:

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "blockquant.h"
@@ -67,34 +68,85 @@ inline void rope(float* v, const float* c, const float* s, int64_t dim) {
     }
 }
 
-// q . k over one head; 16 lanes at a time when the head size allows (it is 64 or 128 in practice).
-inline float dot(const float* q, const float* k, int64_t n) {
+// The KV cache's element types. A row holds one KV head's vector at one position; an int8 row is
+// followed by its float32 scale (max |x| / 127, one per position and head), so that codes and scale
+// are written and read together (kv_cache.py lays the pools out the same way).
+struct Bf16 {
+    uint16_t bits;
+};
+inline simd::F load_kv(const float* p) { return simd::load(p); }
+inline simd::F load_kv(const Bf16* p) { return simd::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline simd::F load_kv(const int8_t* p) { return simd::load_i8(p); }
+inline float kv_value(float x) { return x; }
+inline float kv_value(Bf16 x) { return simd::bf16_to_float(x.bits); }
+inline float kv_value(int8_t x) { return static_cast<float>(x); }
+template <class T>
+constexpr int64_t kv_row(int64_t d) { return std::is_same<T, int8_t>::value ? d + 4 : d; }
+template <class T>
+inline float kv_scale(const T* row, int64_t d) {
+    if constexpr (std::is_same<T, int8_t>::value) {
+        float s;
+        std::memcpy(&s, row + d, 4);
+        return s;
+    } else {
+        return 1.0f;
+    }
+}
+// Round x[0..d) into a row of T (bfloat16: to nearest even; int8: codes of x / scale, then the scale).
+template <class T>
+inline void kv_store(T* row, const float* x, int64_t d) {
+    if constexpr (std::is_same<T, float>::value) {
+        std::memcpy(row, x, d * sizeof(float));
+    } else if constexpr (std::is_same<T, Bf16>::value) {
+        for (int64_t e = 0; e < d; ++e) {
+            uint32_t bits;
+            std::memcpy(&bits, x + e, 4);
+            row[e].bits = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+        }
+    } else {
+        float amax = 0.0f;
+        for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(x[e]));
+        const float scale = amax / 127.0f;
+        for (int64_t e = 0; e < d; ++e)
+            row[e] = scale > 0.0f ? static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[e] / scale))))
+                                  : int8_t{0};
+        std::memcpy(row + d, &scale, 4);
+    }
+}
+
+// q . k over one head (without k's row scale); 16 lanes at a time when the head size allows (it
+// is 64, 128 or 256 in practice).
+template <class T>
+inline float dot(const float* q, const T* k, int64_t n) {
     if (n % 16 == 0) {
         simd::F acc = simd::zero();
-        for (int64_t e = 0; e < n; e += 16) acc = simd::fma(simd::load(q + e), simd::load(k + e), acc);
+        for (int64_t e = 0; e < n; e += 16) acc = simd::fma(simd::load(q + e), load_kv(k + e), acc);
         return simd::sum(acc);
     }
     float s = 0.0f;
-    for (int64_t e = 0; e < n; ++e) s += q[e] * k[e];
+    for (int64_t e = 0; e < n; ++e) s += q[e] * kv_value(k[e]);
     return s;
 }
 
 // o[0..n) = scale * sum_j p[j] v_j over positions j in [start, end), whose rows lie in blocks of B
-// positions: row(j0) is the row of j0, and the rows after it up to its block's end follow it.
+// positions: row(j0) is the row of j0, and the rows after it up to its block's end follow it (rows
+// of kv_row<T>(n) elements, each times its own scale).
 template <class Row>
 inline void weighted_sum(const float* p, int64_t start, int64_t end, int64_t B, Row row, float scale, float* o,
                          int64_t n) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(row(start))>>;
+    const int64_t R = kv_row<T>(n);
     if (n == 64) {  // four vectors hold the whole output row
         simd::F a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j0 = start; j0 < end;) {
             const int64_t stop = std::min(end, (j0 / B + 1) * B);
-            const float* r = row(j0);
-            for (int64_t j = j0; j < stop; ++j, r += 64) {
-                const simd::F w = simd::set1(p[j]);
-                a0 = simd::fma(w, simd::load(r), a0);
-                a1 = simd::fma(w, simd::load(r + 16), a1);
-                a2 = simd::fma(w, simd::load(r + 32), a2);
-                a3 = simd::fma(w, simd::load(r + 48), a3);
+            const T* r = row(j0);
+            for (int64_t j = j0; j < stop; ++j, r += R) {
+                const simd::F w = simd::set1(p[j] * kv_scale(r, n));
+                a0 = simd::fma(w, load_kv(r), a0);
+                a1 = simd::fma(w, load_kv(r + 16), a1);
+                a2 = simd::fma(w, load_kv(r + 32), a2);
+                a3 = simd::fma(w, load_kv(r + 48), a3);
             }
             j0 = stop;
         }
@@ -108,9 +160,15 @@ inline void weighted_sum(const float* p, int64_t start, int64_t end, int64_t B, 
     for (int64_t e = 0; e < n; ++e) o[e] = 0.0f;
     for (int64_t j0 = start; j0 < end;) {
         const int64_t stop = std::min(end, (j0 / B + 1) * B);
-        const float* r = row(j0);
-        for (int64_t j = j0; j < stop; ++j, r += n)
-            for (int64_t e = 0; e < n; ++e) o[e] += p[j] * r[e];
+        const T* r = row(j0);
+        for (int64_t j = j0; j < stop; ++j, r += R) {
+            const float w = p[j] * kv_scale(r, n);
+            if (n % 16 == 0)
+                for (int64_t e = 0; e < n; e += 16)
+                    simd::store(o + e, simd::fma(simd::set1(w), load_kv(r + e), simd::load(o + e)));
+            else
+                for (int64_t e = 0; e < n; ++e) o[e] += w * kv_value(r[e]);
+        }
         j0 = stop;
     }
     for (int64_t e = 0; e < n; ++e) o[e] *= scale;
@@ -133,7 +191,7 @@ struct Linear {
 struct Layer {
     const float *input_norm, *post_norm;
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  // pools of blocks: [blocks, kv_heads, block, head_dim]
+    void *k_cache, *v_cache;  // pools of blocks: [blocks, kv_heads, block, row] of Dims::kv_type rows
 };
 
 // Where a sequence's positions lie in the pools: position p of the sequence whose table row is
@@ -143,17 +201,21 @@ struct Tables {
     int64_t stride, block;
 };
 
+enum class KVType { f32, bf16, i8 };
+
 struct Dims {
     int64_t hidden, n_heads, n_kv, head_dim, window;  // window 0: none
     float eps;
+    KVType kv_type = KVType::f32;
 };
 
 // x [M, hidden]: the tokens' embeddings, at positions pos[M] of slots slot[M]; cos, sin
 // [max_pos, head_dim]. Writes logits [n_out, head.out] for the rows out[0..n_out) (a prompt chunk
 // samples from its last token only, and the head is a fifth of a small model's weights).
-inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
-                        const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
-                        const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits) {
+template <class T>
+inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
+                          const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
+                          const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits) {
     const int64_t hidden = dims.hidden, n_heads = dims.n_heads, n_kv = dims.n_kv, head_dim = dims.head_dim;
     const int64_t group = n_heads / n_kv, q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;
     const int64_t row = q_dim + 2 * kv_dim;
@@ -165,12 +227,14 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
     auto add_into_h = [&](const float* y) {
         for (int64_t i = 0; i < M * hidden; ++i) h[i] += y[i];
     };
-    const int64_t B = tables.block, block_stride = n_kv * B * head_dim;
-    // Offset in a pool of the key (or value) of KV head kh at position p of token m's sequence.
+    const int64_t B = tables.block, R = kv_row<T>(head_dim);
+    // Offset in a pool of the key (or value) row of KV head kh at position p of token m's sequence.
     auto at = [&](int64_t m, int64_t kh, int64_t p) {
-        return (tables.rows[slot[m] * tables.stride + p / B] * n_kv + kh) * B * head_dim + (p % B) * head_dim;
+        return (tables.rows[slot[m] * tables.stride + p / B] * n_kv + kh) * B * R + (p % B) * R;
     };
     for (const Layer& L : layers) {
+        T* const Kc = static_cast<T*>(L.k_cache);
+        T* const Vc = static_cast<T*>(L.v_cache);
         rms_norm(h.data(), L.input_norm, xn.data(), M, hidden, dims.eps);
         qkv.resize(M * row);
         L.qkv(xn.data(), M, qkv.data());
@@ -181,8 +245,8 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
             for (int64_t hd = 0; hd < n_heads + n_kv; ++hd) rope(r + hd * head_dim, c, s, head_dim);
             for (int64_t kh = 0; kh < n_kv; ++kh) {
                 const int64_t o = at(m, kh, pos[m]);
-                std::memcpy(L.k_cache + o, r + q_dim + kh * head_dim, head_dim * sizeof(float));
-                std::memcpy(L.v_cache + o, r + q_dim + kv_dim + kh * head_dim, head_dim * sizeof(float));
+                kv_store(Kc + o, r + q_dim + kh * head_dim, head_dim);
+                kv_store(Vc + o, r + q_dim + kv_dim + kh * head_dim, head_dim);
             }
         }
         const float* QKV = qkv.data();
@@ -195,14 +259,14 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
                 const int64_t end = pos[m] + 1, start = dims.window > 0 ? std::max<int64_t>(0, end - dims.window) : 0;
                 // A block at a time: its keys (and values) of one head are contiguous.
                 for (int64_t j0 = start; j0 < end;) {
-                    const float* K = L.k_cache + at(m, kh, j0);
+                    const T* K = Kc + at(m, kh, j0);
                     const int64_t n = std::min(end, (j0 / B + 1) * B) - j0;
-                    for (int64_t j = 0; j < n; ++j) p[j0 + j] = dot(q, K + j * head_dim, head_dim) * scale;
+                    for (int64_t j = 0; j < n; ++j, K += R) p[j0 + j] = dot(q, K, head_dim) * kv_scale(K, head_dim) * scale;
                     j0 += n;
                 }
                 const float total = softmax_exp(p.data() + start, end - start);
-                weighted_sum(p.data(), start, end, B, [&](int64_t j) { return L.v_cache + at(m, kh, j); }, 1.0f / total,
-                             A + m * q_dim + hq * head_dim, head_dim);
+                weighted_sum(p.data(), start, end, B, [&](int64_t j) -> const T* { return Vc + at(m, kh, j); },
+                             1.0f / total, A + m * q_dim + hq * head_dim, head_dim);
             }
         });
         L.o(attn.data(), M, tmp.data());
@@ -219,6 +283,20 @@ inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int
     for (int64_t i = 0; i < n_out; ++i)
         rms_norm(h.data() + out[i] * hidden, final_norm, xn.data() + i * hidden, 1, hidden, dims.eps);
     head(xn.data(), n_out, logits);
+}
+
+// The step on caches of dims.kv_type.
+inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
+                        const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
+                        const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits) {
+    switch (dims.kv_type) {
+        case KVType::f32:
+            return decode_step_t<float>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits);
+        case KVType::bf16:
+            return decode_step_t<Bf16>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits);
+        case KVType::i8:
+            return decode_step_t<int8_t>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits);
+    }
 }
 
 }  // namespace wafer

@@ -498,6 +498,59 @@ void test_attention_parts() {
     }
 }
 
+// KV rows in bfloat16 and int8: stored rounded as the format says, and read back by dot and
+// weighted_sum (with each int8 row's scale) as a scalar loop over the stored values reads them.
+template <class T>
+void test_kv_rows(const char* name) {
+    Rng rng(7);
+    for (int64_t n : {24, 64, 256}) {
+        const int64_t count = 7, R = wafer::kv_row<T>(n), B = 3;
+        std::vector<float> x(count * n), q(n), p(count), o(n + 16, 12345.0f);
+        for (auto& a : x) a = static_cast<float>(3.0 * rng.normal());
+        for (auto& a : q) a = static_cast<float>(rng.normal());
+        for (auto& a : p) a = static_cast<float>(rng.uniform());
+        std::vector<T> rows(count * R);
+        double store_err = 0.0;  // of the rounding, in units of what the format allows
+        std::vector<double> back(count * n);
+        for (int64_t j = 0; j < count; ++j) {
+            const T* r = rows.data() + j * R;
+            wafer::kv_store(rows.data() + j * R, x.data() + j * n, n);
+            float amax = 0.0f;
+            for (int64_t e = 0; e < n; ++e) amax = std::max(amax, std::fabs(x[j * n + e]));
+            for (int64_t e = 0; e < n; ++e) {
+                const double v = static_cast<double>(wafer::kv_value(r[e])) * wafer::kv_scale(r, n), want = x[j * n + e];
+                back[j * n + e] = v;
+                const double allowed = std::is_same<T, int8_t>::value ? amax / 127.0 / 2 : std::fabs(want) / 256.0;
+                store_err = std::max(store_err, std::fabs(v - want) / (allowed * (1 + 1e-6) + 1e-30));
+            }
+        }
+        double dot_err = 0.0, ws_err = 0.0;
+        for (int64_t j = 0; j < count; ++j) {
+            const T* r = rows.data() + j * R;
+            double want = 0.0, size = 0.0;
+            for (int64_t e = 0; e < n; ++e) want += q[e] * back[j * n + e], size += std::fabs(q[e] * back[j * n + e]);
+            dot_err = std::max(dot_err, std::fabs(wafer::dot(q.data(), r, n) * wafer::kv_scale(r, n) - want) / size);
+        }
+        // The rows in blocks of 3, in reverse block order, as the cache's tables scatter them.
+        const int64_t nb = (count + B - 1) / B;
+        std::vector<T> blocks(nb * B * R);
+        auto row = [&](int64_t j) -> const T* { return blocks.data() + ((nb - 1 - j / B) * B + j % B) * R; };
+        for (int64_t j = 0; j < count; ++j)
+            std::copy(rows.begin() + j * R, rows.begin() + (j + 1) * R, blocks.begin() + ((nb - 1 - j / B) * B + j % B) * R);
+        wafer::weighted_sum(p.data(), 0, count, B, row, 0.37f, o.data(), n);
+        for (int64_t e = 0; e < n; ++e) {
+            double want = 0.0, size = 0.0;
+            for (int64_t j = 0; j < count; ++j) want += p[j] * back[j * n + e] * 0.37, size += std::fabs(p[j] * back[j * n + e] * 0.37);
+            const double err = std::fabs(o[e] - want) / size;
+            ws_err = std::isnan(err) ? INFINITY : std::max(ws_err, err);
+        }
+        const bool tail = untouched(o, n);
+        check(store_err <= 1.0 && dot_err < 1e-6 && ws_err < 1e-6 && tail,
+              "%s KV rows n=%lld: rounding %.3f of the format's half step (<= 1), dot %.2e, weighted_sum %.2e (tol 1e-6)%s",
+              name, static_cast<long long>(n), store_err, dot_err, ws_err, tail ? "" : ", wrote past n");
+    }
+}
+
 // ---- decode_step against a scalar model ---------------------------------------------------------------
 
 struct Model {
@@ -759,6 +812,8 @@ int main() {
     test_rms_norm();
     test_silu_mul();
     test_attention_parts();
+    test_kv_rows<wafer::Bf16>("bfloat16");
+    test_kv_rows<int8_t>("int8");
     test_decode_step();
     if (failures) std::printf("FAILED: %d of %d checks (%s)\n", failures, checks, simd::kVariant);
     else std::printf("passed: all %d checks (%s)\n", checks, simd::kVariant);

@@ -68,6 +68,14 @@ inline float half_to_float(uint16_t h) {
     return f;
 }
 
+// bfloat16 bits to float: the top half of a float32.
+inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
 // =====================================================================================================
 #if defined(WAFER_AVX512)
 
@@ -85,6 +93,11 @@ inline F load_n(const float* p, int64_t n, float fill = 0.0f) { return {_mm512_m
 inline void store(float* p, F a) { _mm512_storeu_ps(p, a.v); }
 inline void store_n(float* p, F a, int64_t n) { _mm512_mask_storeu_ps(p, first_n(n), a.v); }
 inline F load_half(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+// 16 int8 codes (the KV cache's int8 rows), and 16 bfloat16 values, as floats.
+inline F load_i8(const int8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
+inline F load_bf16(const uint16_t* p) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
+}
 inline F operator+(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F operator-(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F operator*(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -159,6 +172,16 @@ inline void store_n(float* p, F x, int64_t n) {
 inline F load_half(const uint16_t* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline F load_i8(const int8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+inline F load_bf16(const uint16_t* p) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
 }
 inline F operator+(F x, F y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline F operator-(F x, F y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
@@ -322,6 +345,17 @@ inline void store_n(float* p, F x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) p[i] = buf[i];
 }
 inline F load_half(const uint16_t* p) { F r; WAFER_EACH(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)))); }
+inline F load_i8(const int8_t* p) {
+    const int8x16_t v = vld1q_s8(p);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_s8(vget_high_s8(v));
+    F r;
+    r.v[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+    r.v[1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+    r.v[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+    r.v[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
+    return r;
+}
+inline F load_bf16(const uint16_t* p) { F r; WAFER_EACH(vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p + 4 * i), 16))); }
 inline F operator+(F x, F y) { F r; WAFER_EACH(vaddq_f32(x.v[i], y.v[i])); }
 inline F operator-(F x, F y) { F r; WAFER_EACH(vsubq_f32(x.v[i], y.v[i])); }
 inline F operator*(F x, F y) { F r; WAFER_EACH(vmulq_f32(x.v[i], y.v[i])); }
@@ -410,6 +444,8 @@ inline F load_n(const float* p, int64_t n, float fill = 0.0f) { F r; WAFER_EACH(
 inline void store(float* p, F x) { for (int i = 0; i < 16; ++i) p[i] = x.v[i]; }
 inline void store_n(float* p, F x, int64_t n) { for (int i = 0; i < 16 && i < n; ++i) p[i] = x.v[i]; }
 inline F load_half(const uint16_t* p) { F r; WAFER_EACH(half_to_float(p[i])); }
+inline F load_i8(const int8_t* p) { F r; WAFER_EACH(static_cast<float>(p[i])); }
+inline F load_bf16(const uint16_t* p) { F r; WAFER_EACH(bf16_to_float(p[i])); }
 inline F operator+(F x, F y) { F r; WAFER_EACH(x.v[i] + y.v[i]); }
 inline F operator-(F x, F y) { F r; WAFER_EACH(x.v[i] - y.v[i]); }
 inline F operator*(F x, F y) { F r; WAFER_EACH(x.v[i] * y.v[i]); }

@@ -124,3 +124,25 @@ def test_tables_are_what_attention_reads() -> None:
     kv.reserve(s, 3 * BLOCK)
     assert kv.tables[s, :3].tolist() == kv.blocks_of(s)
     assert torch.equal(kv.tables.new_tensor(kv.blocks_of(s)), kv.tables[s, :3])
+
+
+def test_equal_blocks_computed_in_one_step_are_kept_once() -> None:
+    """Two sequences given one system prompt in the same step each compute it; once computed,
+    the second references the first's blocks and its own go back to the pool."""
+    kv = KVCache(CFG, num_slots=2, max_len=128)
+    system = list(range(1, 2 * BLOCK + 1))
+    a, b = system + [90, 91], system + [50, 51, 52]
+    sa, _ = kv.allocate(a)
+    sb, _ = kv.allocate(b)
+    kv.reserve(sa, len(a))
+    kv.reserve(sb, len(b))
+    free_before = kv.num_free_blocks
+    fill(kv, sa, a, len(a))
+    fill(kv, sb, b, len(b))
+    assert kv.blocks_of(sb)[:2] == kv.blocks_of(sa)[:2]
+    assert kv.num_free_blocks == free_before + 2
+    assert kv.block_refs(system) == [2, 2]
+    assert keys(kv, sb, len(b)) == [float(t) for t in b]
+    kv.free(sa)
+    kv.free(sb)
+    assert kv.usage == 0.0

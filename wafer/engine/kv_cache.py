@@ -220,11 +220,24 @@ class KVCache:
             part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
             h = hash((hashes[-1] if hashes else 0, part))
             hashes.append(h)
-            b = blocks[i]
-            if h not in self._index and b not in self._key:  # else an equal block is indexed already
-                self._index[h] = b
-                self._key[b] = (h, part)
-                self._parent[b] = blocks[i - 1] if i else -1
+            b, parent = blocks[i], blocks[i - 1] if i else -1
+            other = self._index.get(h)
+            if other is None:
+                if b not in self._key:
+                    self._index[h] = b
+                    self._key[b] = (h, part)
+                    self._parent[b] = parent
+            elif other != b and self._key[other][1] == part and self._parent[other] == parent:
+                # Another sequence computed the same block in the same step (requests with one
+                # system prompt arriving together): share its copy and give this one back.
+                if self._ref[other] == 0:
+                    del self._cached[other]
+                self._ref[other] += 1
+                blocks[i] = other
+                self.tables[slot, i] = other
+                self._ref[b] -= 1
+                if self._ref[b] == 0:
+                    self._free_blocks.append(b)
 
     def free(self, slot: int) -> None:
         """Give a slot and its blocks back; its indexed blocks stay findable until their storage is needed."""

@@ -74,8 +74,11 @@ def replay(base_url: str, model: str, turns: int, max_tokens: int = 48) -> list[
 
 
 def expected_cached(turns: list[Turn]) -> list[int | None]:
-    """What each turn should find cached: everything the previous turn computed."""
-    return [None] + [t.prompt_tokens + t.completion_tokens - 1 for t in turns[:-1]]
+    """What each turn should find cached: the whole blocks of what the previous turn computed (the
+    cache shares blocks of BLOCK tokens)."""
+    from wafer.engine.kv_cache import BLOCK
+
+    return [None] + [(t.prompt_tokens + t.completion_tokens - 1) // BLOCK * BLOCK for t in turns[:-1]]
 
 
 def serve(port: int, extra: list[str]) -> subprocess.Popen:

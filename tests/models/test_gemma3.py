@@ -130,3 +130,24 @@ def test_batched_with_chunked_prefill_equals_each_alone_and_whole(q4, prompts):
     alone = [greedy(q4, [p], 12)[0] for p in chosen]  # each prompt in one prefill step
     batched = greedy(q4, chosen, 12, max_batched_tokens=160)  # the 900-token prompt in chunks, beside decodes
     assert batched == alone
+
+
+def test_prefix_cache_speculation_and_int8_kv_keep_the_greedy_output(q4, prompts):
+    """The default model's other engine paths on Gemma 3: a prompt that repeats a finished one's
+    prefix references its blocks (across the 512-token window), n-gram speculation, and int8 KV
+    (whose perplexity over twice the window stays within 0.5% of f32 KV's)."""
+    from wafer.engine.speculative import SpeculativeConfig
+
+    long, short = prompts[-1], prompts[0]
+    want = greedy(q4, [long], 12)[0]
+    engine = LLMEngine(q4, EngineConfig(max_running=2, max_model_len=1024, max_batched_tokens=1024))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.generate([long[:700] + short], params)
+    again = engine.generate([long], params)[0]
+    assert again.num_cached_prompt == 688 and again.output_ids == want
+    spec = greedy(q4, [long], 12, speculative=SpeculativeConfig(method="ngram", num_tokens=4))
+    assert spec == [want]
+    ids = [q4.tokenizer.bos_id] + corpus_ids(q4.tokenizer, 1023)
+    exact = perplexity(q4, ids, 1024, 512, torch.float32)
+    rounded = perplexity(q4, ids, 1024, 512, torch.int8)
+    assert rounded != exact and rounded <= 1.005 * exact, (rounded, exact)

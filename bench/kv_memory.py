@@ -6,7 +6,7 @@
    1,000 prompt tokens that share a 600-token prefix, with prefix caching and without, against what
    their live tokens need.
 3. How many 4,096-token sequences fit in a 1 GB KV budget, for each dtype.
-4. Decode tokens/s at contexts of 128, 2,048 and 8,192 tokens for each KV dtype, against
+4. Decode tokens/s at contexts of 128, 2,048 and 8,128 tokens (the model's 8,192 less the output) for each KV dtype, against
    llama-cpp-python on the same GGUF at the same context (its default KV type, f16).
 
 Run on a quiet machine: `python bench/kv_memory.py` (add --quick for contexts 128 and 2,048 only).
@@ -67,8 +67,12 @@ def bytes_table() -> None:
                  "4,096-token seqs in 1 GB"], rows))
 
 
-def serve_memory(prefix_caching: bool) -> tuple[float, float, int]:
-    """RSS (MB) of `wafer serve` idle and after the 16 requests, and their live tokens."""
+NEW = 160  # tokens each request writes: enough that all 16 are running at once before the first ends
+
+
+def serve_memory(prefix_caching: bool) -> tuple[float, float, float, int]:
+    """RSS (MB) of `wafer serve` idle and after the 16 requests, the most KV (MB) its sequences held
+    at once, and the tokens they hold when all 16 are running whole."""
     import httpx
 
     from bench.served import start
@@ -81,32 +85,34 @@ def serve_memory(prefix_caching: bool) -> tuple[float, float, int]:
     try:
         model = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
         idle = server.rss_mb()
-        # 1,000 prompt tokens: a 600-token prefix (words that are one token each) and 400 of each request's own.
-        prefix = [f" w{i % 97}" for i in range(600)]
+        # 1,000 prompt tokens as ids: a 600-token prefix, then 400 of each request's own.
+        prefix = [100 + (i * 37) % 20000 for i in range(600)]
 
-        async def one(client, i: int) -> dict:
-            own = [f" r{i}x{j % 89}" for j in range(400)]
+        async def one(client, i: int) -> None:
+            own = [100 + (i * 400 + j * 53) % 20000 for j in range(400)]
             r = await client.post(server.base_url + "/completions", json={
-                "model": model, "prompt": "".join(prefix + own), "max_tokens": 32, "temperature": 0,
-                "ignore_eos": True})
+                "model": model, "prompt": prefix + own, "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
             r.raise_for_status()
-            return r.json()["usage"]
 
-        async def all16() -> list[dict]:
+        async def all16() -> None:
             async with httpx.AsyncClient(timeout=600) as c:
-                return await asyncio.gather(*(one(c, i) for i in range(16)))
+                await asyncio.gather(*(one(c, i) for i in range(16)))
 
-        usage = asyncio.run(all16())
+        asyncio.run(all16())
         server.wait_idle()
         after = server.rss_mb()
-        prompt = [u["prompt_tokens"] for u in usage]
-        from wafer.models.loader import load_tokenizer
-
-        shared = len(load_tokenizer().encode("".join(prefix), add_special_tokens=False))
-        once = shared + sum(p - shared + 32 for p in prompt)  # the prefix held once
-        return idle, after, once if prefix_caching else sum(p + 32 for p in prompt)
+        metrics = httpx.get(server.root + "/metrics").text
+        peak = gauge(metrics, "wafer:kv_cache_peak_usage_perc") * gauge(metrics, "wafer:kv_cache_capacity_bytes") / MB
+        # All 16 whole: with prefix caching the prefix once and each request's own 400 + NEW - 1 (the
+        # last token sampled is never fed back); without, every request's 1,000 + NEW - 1.
+        own = 400 + NEW - 1
+        return idle, after, peak, 600 + 16 * own if prefix_caching else 16 * (600 + own)
     finally:
         server.stop()
+
+
+def gauge(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def memory_table() -> None:
@@ -114,16 +120,16 @@ def memory_table() -> None:
     per = bytes_per_token(cfg, torch.float32)
     rows = []
     for caching in (True, False):
-        idle, after, live = serve_memory(caching)
+        idle, after, peak, live = serve_memory(caching)
         need = live * per / MB
         rows.append(["on" if caching else "off", f"{idle:,.0f}", f"{after:,.0f}", f"{after - idle:,.0f}",
-                     f"{live:,}", f"{need:,.0f}", f"{(after - idle) / need:.2f}"])
-    print("\n`wafer serve` (default model, f32 KV), 16 concurrent requests of ~1,000 prompt tokens sharing a 600-token "
-          "prefix, 32 tokens each")
-    print(table(["prefix caching", "RSS idle MB", "RSS after MB", "grew MB", "tokens to hold",
-                 "their KV MB", "grew / their KV"], rows))
-    print("(tokens to hold: with prefix caching the shared prefix once and each request's own tokens; without, "
-          "every request's whole prompt and output)")
+                     f"{peak:,.0f}", f"{live:,}", f"{need:,.0f}", f"{peak / need:.2f}"])
+    print(f"\n`wafer serve` (default model, f32 KV), 16 concurrent requests of 1,000 prompt tokens sharing a "
+          f"600-token prefix, {NEW} tokens each")
+    print(table(["prefix caching", "RSS idle MB", "RSS after MB", "RSS grew MB", "KV held at peak MB",
+                 "tokens of 16 whole", "their KV MB", "peak / their KV"], rows))
+    print("(tokens of 16 whole: with prefix caching the shared prefix once and each request's own tokens; "
+          "without, every request's whole prompt and output. RSS keeps every block ever written.)")
 
 
 def wafer_decode(loaded, dtype: str, context: int, n_new: int = 32) -> float:
@@ -169,7 +175,7 @@ def main() -> None:
     bytes_table()
     if not args.skip_serve:
         memory_table()
-    decode_table([128, 2048] if args.quick else [128, 2048, 8192])
+    decode_table([128, 2048] if args.quick else [128, 2048, 8128])  # 8,128 + 64: the model's 8,192
 
 
 if __name__ == "__main__":

@@ -19,16 +19,16 @@ def fill(kv: KVCache, slot: int, tokens: list[int], n: int) -> None:
     kv.reserve(slot, n)
     blocks = kv.blocks_of(slot)
     for p in range(n):
-        for k, v in kv.layers:
-            k[blocks[p // BLOCK], :, p % BLOCK] = float(tokens[p])
-            v[blocks[p // BLOCK], :, p % BLOCK] = -float(tokens[p])
+        for k, v in kv.layers:  # [kv_heads, blocks, BLOCK, head_dim]
+            k[:, blocks[p // BLOCK], p % BLOCK] = float(tokens[p])
+            v[:, blocks[p // BLOCK], p % BLOCK] = -float(tokens[p])
     kv.set_length(slot, n)
 
 
 def keys(kv: KVCache, slot: int, n: int) -> list[float]:
     """The first key element of the slot's first n positions, read through its table."""
     table = kv.tables[slot]
-    return [float(kv.layers[0][0][table[p // BLOCK], 0, p % BLOCK, 0]) for p in range(n)]
+    return [float(kv.layers[0][0][0, table[p // BLOCK], p % BLOCK, 0]) for p in range(n)]
 
 
 def test_a_shared_prefix_is_referenced_not_copied() -> None:

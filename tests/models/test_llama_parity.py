@@ -81,5 +81,5 @@ def test_greedy_64_tokens_identical(pair):
 def test_kv_heads_not_expanded(pair):
     _, loaded = pair
     kv = KVCache(loaded.config, 3, 64)  # 3 sequences of 64 tokens: 12 blocks of 16
-    assert kv.layers[0][0].shape == (12, loaded.config.num_kv_heads, BLOCK, loaded.config.head_dim)
+    assert kv.layers[0][0].shape == (loaded.config.num_kv_heads, 12, BLOCK, loaded.config.head_dim)
     assert loaded.config.num_kv_heads < loaded.config.num_heads

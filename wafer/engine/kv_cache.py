@@ -1,7 +1,7 @@
 """The KV cache in blocks: memory follows the tokens held, and a shared prefix is stored once.
 
 Every layer's keys and values live in one pool of blocks of BLOCK tokens,
-[num_blocks, kv_heads, BLOCK, head_dim] (KV heads are never expanded), in float32, bfloat16, or int8
+[kv_heads, num_blocks, BLOCK, head_dim] (KV heads are never expanded), in float32, bfloat16, or int8
 with a scale per position and head: an int8 row is head_dim codes and then its float32 scale's 4
 bytes, so that a row is written and read as one piece. A running sequence owns a
 slot: a row of `tables` listing, in order, the blocks that hold its positions. Blocks are taken
@@ -64,7 +64,9 @@ class KVCache:
         """`num_blocks`: the pool's size (default: enough for every slot to hold `max_len` tokens)."""
         self.max_blocks = -(-max_len // BLOCK)  # per sequence
         num_blocks = num_blocks or num_slots * self.max_blocks
-        shape = (num_blocks, cfg.num_kv_heads, BLOCK, row_size(cfg.head_dim, dtype))
+        # A KV head's blocks lie together: a sequence's consecutive blocks of one head are then one
+        # run of memory, which the CPU streams as it does a contiguous cache.
+        shape = (cfg.num_kv_heads, num_blocks, BLOCK, row_size(cfg.head_dim, dtype))
         # Zeros, not empty: masked positions still enter the attention product, and NaN * 0 is NaN.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)
@@ -88,6 +90,7 @@ class KVCache:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced indexed blocks, oldest first
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.peak_blocks = 0  # the most blocks live sequences have held at once
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None,
@@ -121,6 +124,15 @@ class KVCache:
     def usage(self) -> float:
         """Fraction of the pool's blocks referenced by live sequences."""
         return (self.num_blocks - self.num_free_blocks) / self.num_blocks
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def peak_usage(self) -> float:
+        """The largest fraction of the pool's blocks live sequences have held at once."""
+        return self.peak_blocks / self.num_blocks
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -193,6 +205,7 @@ class KVCache:
             b = self._take_block()
             self.tables[slot, len(blocks)] = b
             blocks.append(b)
+        self.peak_blocks = max(self.peak_blocks, self.num_blocks - self.num_free_blocks)
 
     def _take_block(self) -> int:
         if self._free_blocks:

@@ -1,6 +1,6 @@
 """Attention over a KV cache in blocks, for a flat batch that mixes decode and prefill.
 
-The cache of one layer is a pair of pools shaped [num_blocks, kv_heads, BLOCK, row] (float32,
+The cache of one layer is a pair of pools shaped [kv_heads, num_blocks, BLOCK, row] (float32,
 bfloat16, or int8 rows of head_dim codes and a float32 scale); a sequence's positions lie in the
 blocks its table lists, in order. Each token's key and value are
 written where its position falls; attention gathers a sequence's blocks into one run (on this path
@@ -97,8 +97,8 @@ def decode_masks(lengths: list[int], max_len: int, windows: set[int | None]) -> 
 def _gather(pool: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., blocks] tables -> [..., kv_heads, blocks * block, head_dim] in `dtype`: the blocks laid
     end to end (an int8 pool's rows dequantised with their scales)."""
-    g = pool[tables]  # [..., blocks, kv, block, row]
-    g = g.transpose(-4, -3)  # [..., kv, blocks, block, row]
+    g = pool[:, tables]  # [kv, ..., blocks, block, row]
+    g = g.movedim(0, -4)  # [..., kv, blocks, block, row]
     g = g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
     if pool.dtype == torch.int8:
         return g[..., :-4].to(dtype) * g[..., -4:].contiguous().view(torch.float32).to(dtype)
@@ -109,12 +109,12 @@ def _store(pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: t
     """Write x [N, kv, D] at (block, offset) per token, rounded to the pool's format: int8 rows get
     codes of x / scale, scale = max |x| / 127 per token and head, then the scale's bytes."""
     if pool.dtype != torch.int8:
-        pool[blocks, :, offsets] = x.to(pool.dtype)
+        pool[:, blocks, offsets] = x.to(pool.dtype).transpose(0, 1)
         return
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True) / 127.0
     codes = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x)).clamp(-127, 127).to(torch.int8)
-    pool[blocks, :, offsets] = torch.cat((codes, scale.view(torch.int8)), dim=-1)
+    pool[:, blocks, offsets] = torch.cat((codes, scale.view(torch.int8)), dim=-1).transpose(0, 1)
 
 
 def attend(

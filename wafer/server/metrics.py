@@ -143,6 +143,10 @@ class ServerMetrics:
         self.waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
         self.kv = Gauge("wafer:kv_cache_usage_perc",
                         "Fraction of the KV cache's blocks held by running sequences (0 to 1).", lbl, registry=r)
+        self.kv_peak = Gauge("wafer:kv_cache_peak_usage_perc",
+                             "The largest fraction of the KV cache's blocks held at once since start.", lbl, registry=r)
+        self.kv_capacity = Gauge("wafer:kv_cache_capacity_bytes", "Bytes of KV the cache's blocks can hold (its "
+                                 "budget: --kv-cache-memory).", lbl, registry=r)
         self.batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
         self.prefix_hit_rate = Gauge("wafer:prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / prompt tokens looked up.", lbl,
@@ -158,6 +162,8 @@ class ServerMetrics:
         self.running.labels(name).set_function(lambda: engine.num_running)
         self.waiting.labels(name).set_function(lambda: engine.num_waiting)
         self.kv.labels(name).set_function(lambda: engine.engine.kv.usage)
+        self.kv_peak.labels(name).set_function(lambda: engine.engine.kv.peak_usage)
+        self.kv_capacity.labels(name).set_function(lambda: engine.engine.kv.capacity_bytes)
         self.batch.labels(name).set_function(lambda: engine.engine.stats.last_batch_size)
         self.prefix_hit_rate.labels(name).set_function(lambda: engine.engine.kv.prefix_hit_rate)
 

@@ -128,19 +128,28 @@ inline float dot(const float* q, const T* k, int64_t n) {
     return s;
 }
 
-// o[0..n) = scale * sum_j p[j] v_j over positions j in [start, end), whose rows lie in blocks of B
-// positions: row(j0) is the row of j0, and the rows after it up to its block's end follow it (rows
-// of kv_row<T>(n) elements, each times its own scale).
+// The rows of the next block while this one is read: a block of one KV head is a few KB of its
+// own, and the hardware's stream prefetcher starts again at every one.
+template <class T>
+inline void prefetch_rows(const T* p, int64_t elements) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(c + b);
+}
+
+// o[0..n) = scale * sum_j p[j] v_j over positions j in [start, end), whose rows lie in blocks of
+// 2^shift positions: row(j0) is the row of j0, and the rows after it up to its block's end follow
+// it (rows of kv_row<T>(n) elements, each times its own scale).
 template <class Row>
-inline void weighted_sum(const float* p, int64_t start, int64_t end, int64_t B, Row row, float scale, float* o,
+inline void weighted_sum(const float* p, int64_t start, int64_t end, int shift, Row row, float scale, float* o,
                          int64_t n) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(row(start))>>;
     const int64_t R = kv_row<T>(n);
     if (n == 64) {  // four vectors hold the whole output row
         simd::F a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j0 = start; j0 < end;) {
-            const int64_t stop = std::min(end, (j0 / B + 1) * B);
+            const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
             const T* r = row(j0);
+            if (stop < end) prefetch_rows(row(stop), std::min(int64_t{1} << shift, end - stop) * R);
             for (int64_t j = j0; j < stop; ++j, r += R) {
                 const simd::F w = simd::set1(p[j] * kv_scale(r, n));
                 a0 = simd::fma(w, load_kv(r), a0);
@@ -159,7 +168,7 @@ inline void weighted_sum(const float* p, int64_t start, int64_t end, int64_t B, 
     }
     for (int64_t e = 0; e < n; ++e) o[e] = 0.0f;
     for (int64_t j0 = start; j0 < end;) {
-        const int64_t stop = std::min(end, (j0 / B + 1) * B);
+        const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
         const T* r = row(j0);
         for (int64_t j = j0; j < stop; ++j, r += R) {
             const float w = p[j] * kv_scale(r, n);
@@ -191,7 +200,7 @@ struct Linear {
 struct Layer {
     const float *input_norm, *post_norm;
     Linear qkv, o, gate_up, down;
-    void *k_cache, *v_cache;  // pools of blocks: [blocks, kv_heads, block, row] of Dims::kv_type rows
+    void *k_cache, *v_cache;  // pools of blocks: [kv_heads, blocks, block, row] of Dims::kv_type rows
 };
 
 // Where a sequence's positions lie in the pools: position p of the sequence whose table row is
@@ -199,6 +208,8 @@ struct Layer {
 struct Tables {
     const int64_t* rows;  // [slots, stride]: each slot's blocks in position order
     int64_t stride, block;
+    int64_t blocks;  // in each pool: a KV head's blocks lie together, so that one sequence's
+                     // consecutive blocks of a head are one run of memory, as a contiguous cache's are
 };
 
 enum class KVType { f32, bf16, i8 };
@@ -227,10 +238,14 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
     auto add_into_h = [&](const float* y) {
         for (int64_t i = 0; i < M * hidden; ++i) h[i] += y[i];
     };
+    // Blocks are a power of two of positions (kernels.cpp checks), so that finding a position's
+    // block is a shift, not a division, in the attention's inner loops.
     const int64_t B = tables.block, R = kv_row<T>(head_dim);
+    int shift = 0;
+    while ((int64_t{1} << shift) < B) ++shift;
     // Offset in a pool of the key (or value) row of KV head kh at position p of token m's sequence.
     auto at = [&](int64_t m, int64_t kh, int64_t p) {
-        return (tables.rows[slot[m] * tables.stride + p / B] * n_kv + kh) * B * R + (p % B) * R;
+        return ((kh * tables.blocks + tables.rows[slot[m] * tables.stride + (p >> shift)]) * B + (p & (B - 1))) * R;
     };
     for (const Layer& L : layers) {
         T* const Kc = static_cast<T*>(L.k_cache);
@@ -260,12 +275,14 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
                 // A block at a time: its keys (and values) of one head are contiguous.
                 for (int64_t j0 = start; j0 < end;) {
                     const T* K = Kc + at(m, kh, j0);
-                    const int64_t n = std::min(end, (j0 / B + 1) * B) - j0;
+                    const int64_t n = std::min(end, ((j0 >> shift) + 1) << shift) - j0;
+                    if (j0 + n < end) prefetch_rows(Kc + at(m, kh, j0 + n), std::min(B, end - j0 - n) * R);
                     for (int64_t j = 0; j < n; ++j, K += R) p[j0 + j] = dot(q, K, head_dim) * kv_scale(K, head_dim) * scale;
                     j0 += n;
                 }
+                prefetch_rows(Vc + at(m, kh, start), std::min(end - start, B - (start & (B - 1))) * R);
                 const float total = softmax_exp(p.data() + start, end - start);
-                weighted_sum(p.data(), start, end, B, [&](int64_t j) -> const T* { return Vc + at(m, kh, j); },
+                weighted_sum(p.data(), start, end, shift, [&](int64_t j) -> const T* { return Vc + at(m, kh, j); },
                              1.0f / total, A + m * q_dim + hq * head_dim, head_dim);
             }
         });

@@ -39,7 +39,7 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 // x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [max_pos, head_dim].
 // tables [slots, max_blocks] int64: each slot's blocks in position order (kv_cache.py).
 // layers: per layer 2 norm weights, 4 linears (qkv, o, gate_up, down) of 2 tensors each (packed
-// blocks, bias or an empty tensor), then the layer's K and V pools [blocks, kv_heads, block,
+// blocks, bias or an empty tensor), then the layer's K and V pools [kv_heads, blocks, block,
 // head_dim] (float32 or bfloat16; int8 rows carry 4 more bytes, their float32 scale): 12 tensors a layer; after the last layer the output head's 2. out_features: each
 // linear's output size, in the same order. norm: the final norm's weight. Returns logits
 // [len(logit_rows), vocab] for those rows of x (none when it is empty: a prompt chunk before the last).
@@ -56,8 +56,9 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                 positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
     x = x.contiguous();
     const int64_t hidden = x.size(1), q_dim = n_heads * head_dim;
-    TORCH_CHECK(n_layers > 0 && layers[10].dim() == 4, "KV pools: [blocks, kv_heads, block, head_dim]");
-    const int64_t n_blocks = layers[10].size(0), block = layers[10].size(2);
+    TORCH_CHECK(n_layers > 0 && layers[10].dim() == 4, "KV pools: [kv_heads, blocks, block, head_dim]");
+    const int64_t n_blocks = layers[10].size(1), block = layers[10].size(2);
+    TORCH_CHECK(block > 0 && (block & (block - 1)) == 0, "KV blocks: a power of two of positions");
     const auto kv_dtype = layers[10].scalar_type();
     TORCH_CHECK(kv_dtype == torch::kFloat32 || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kInt8,
                 "KV caches: float32, bfloat16 or int8");
@@ -91,11 +92,11 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
         const size_t b = 12 * l;
         const int64_t* nout = out_features.data() + 4 * l;
         torch::Tensor kc = layers[b + 10], vc = layers[b + 11];
-        TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(1) == n_kv &&
+        TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(0) == n_kv &&
                     kc.size(2) == block && kc.size(3) == row && vc.sizes() == kc.sizes() &&
                     kc.scalar_type() == kv_dtype && vc.scalar_type() == kv_dtype,
-                    "KV caches: contiguous [blocks, kv_heads, block, head_dim (+4 for int8's scale)], all of one dtype");
-        TORCH_CHECK(kc.size(0) == n_blocks, "every layer's pool has the same blocks");
+                    "KV caches: contiguous [kv_heads, blocks, block, head_dim (+4 for int8's scale)], all of one dtype");
+        TORCH_CHECK(kc.size(1) == n_blocks, "every layer's pool has the same blocks");
         ls.push_back({layers[b].data_ptr<float>(), layers[b + 1].data_ptr<float>(), lin(b + 2, hidden, nout[0]),
                       lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
                       kc.data_ptr(), vc.data_ptr()});
@@ -108,7 +109,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
     auto logits = torch::empty({logit_rows.numel(), head.out}, torch::kFloat32);
     const wafer::Dims dims{hidden, n_heads, n_kv, head_dim, window, static_cast<float>(eps), kv_type};
     wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                       wafer::Tables{tables.data_ptr<int64_t>(), tables.size(1), block},
+                       wafer::Tables{tables.data_ptr<int64_t>(), tables.size(1), block, n_blocks},
                        cos.contiguous().data_ptr<float>(), sin.contiguous().data_ptr<float>(), ls,
                        norm.data_ptr<float>(), head, dims, rows, logit_rows.numel(), logits.data_ptr<float>());
     return logits;

@@ -478,12 +478,12 @@ void test_attention_parts() {
             dot_err = std::max(dot_err, std::fabs(wafer::dot(q.data(), v.data() + j * n, n) - want) / size);
         }
         const float scale = 0.37f;
-        // The rows in blocks of 3, stored in reverse block order: the sum must follow the blocks.
-        const int64_t B = 3, nb = (count + B - 1) / B;
+        // The rows in blocks of 2, stored in reverse block order: the sum must follow the blocks.
+        const int64_t B = 2, nb = (count + B - 1) / B;
         std::vector<float> blocks(nb * B * n);
         auto row = [&](int64_t j) { return blocks.data() + ((nb - 1 - j / B) * B + j % B) * n; };
         for (int64_t j = 0; j < count; ++j) std::copy(v.begin() + j * n, v.begin() + (j + 1) * n, row(j));
-        wafer::weighted_sum(p.data(), 0, count, B, row, scale, o.data(), n);
+        wafer::weighted_sum(p.data(), 0, count, 1, row, scale, o.data(), n);
         double ws_err = 0.0;
         for (int64_t e = 0; e < n; ++e) {
             double want = 0.0, size = 0.0;
@@ -504,7 +504,7 @@ template <class T>
 void test_kv_rows(const char* name) {
     Rng rng(7);
     for (int64_t n : {24, 64, 256}) {
-        const int64_t count = 7, R = wafer::kv_row<T>(n), B = 3;
+        const int64_t count = 7, R = wafer::kv_row<T>(n), B = 2;
         std::vector<float> x(count * n), q(n), p(count), o(n + 16, 12345.0f);
         for (auto& a : x) a = static_cast<float>(3.0 * rng.normal());
         for (auto& a : q) a = static_cast<float>(rng.normal());
@@ -531,13 +531,13 @@ void test_kv_rows(const char* name) {
             for (int64_t e = 0; e < n; ++e) want += q[e] * back[j * n + e], size += std::fabs(q[e] * back[j * n + e]);
             dot_err = std::max(dot_err, std::fabs(wafer::dot(q.data(), r, n) * wafer::kv_scale(r, n) - want) / size);
         }
-        // The rows in blocks of 3, in reverse block order, as the cache's tables scatter them.
+        // The rows in blocks of 2, in reverse block order, as the cache's tables scatter them.
         const int64_t nb = (count + B - 1) / B;
         std::vector<T> blocks(nb * B * R);
         auto row = [&](int64_t j) -> const T* { return blocks.data() + ((nb - 1 - j / B) * B + j % B) * R; };
         for (int64_t j = 0; j < count; ++j)
             std::copy(rows.begin() + j * R, rows.begin() + (j + 1) * R, blocks.begin() + ((nb - 1 - j / B) * B + j % B) * R);
-        wafer::weighted_sum(p.data(), 0, count, B, row, 0.37f, o.data(), n);
+        wafer::weighted_sum(p.data(), 0, count, 1, row, 0.37f, o.data(), n);
         for (int64_t e = 0; e < n; ++e) {
             double want = 0.0, size = 0.0;
             for (int64_t j = 0; j < count; ++j) want += p[j] * back[j * n + e] * 0.37, size += std::fabs(p[j] * back[j * n + e] * 0.37);
@@ -739,7 +739,7 @@ void test_decode_step() {
         // Each slot's blocks scattered over the pool (slot s, block i -> (5 (s * 4 + i) + 3) mod 12).
         std::vector<int64_t> table(Model::blocks);
         for (int64_t i = 0; i < Model::blocks; ++i) table[i] = (5 * i + 3) % Model::blocks;
-        const wafer::Tables tables{table.data(), Model::max_len / Model::block, Model::block};
+        const wafer::Tables tables{table.data(), Model::max_len / Model::block, Model::block, Model::blocks};
         std::vector<std::vector<float>> kc(Model::n_layers, std::vector<float>(cache, NAN)), vc = kc;  // NaN: never written
         std::vector<wafer::Layer> layers;
         for (int64_t l = 0; l < Model::n_layers; ++l) {

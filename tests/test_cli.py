@@ -16,7 +16,8 @@ def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 def test_info_default_model():
     r = run("info")
     assert r.returncode == 0, r.stderr
-    assert "llama" in r.stdout and "46,080" in r.stdout and "8192" in r.stdout and "Q4_1" in r.stdout
+    assert "llama" in r.stdout and "8192" in r.stdout and "Q4_1" in r.stdout
+    assert "23,040 bf16 (auto), 46,080 f32, 12,240 int8" in r.stdout  # 2 x 30 layers x 3 KV heads x 64 x 2 bytes
 
 
 def test_info_gemma3_splits_kv_bytes_by_layer_type():
@@ -27,9 +28,10 @@ def test_info_gemma3_splits_kv_bytes_by_layer_type():
     r = run("info", "gemma-3-270m")
     assert r.returncode == 0, r.stderr
     assert "gemma3" in r.stdout and "4 query, 1 KV (head dim 256)" in r.stdout
-    # 2 (K and V) x 1 KV head x 256 x 4 bytes = 2,048 a layer; 3 global layers of 18
-    assert "36,864 (float32): global 3 layers x 2,048 = 6,144; windowed (512 tokens) 15 layers x 2,048 = 30,720" \
-        in r.stdout
+    # 2 (K and V) x 1 KV head x 256 x 2 bytes (bfloat16, auto on its q8 path) = 1,024 a layer; 3 global of 18;
+    # int8 rows are 256 codes and a 4-byte scale
+    assert ("18,432 bf16 (auto), 36,864 f32, 9,360 int8; at bf16: global 3 layers x 1,024 = 3,072; "
+            "windowed (512 tokens) 15 layers x 1,024 = 15,360") in r.stdout
 
 
 def test_info_names_the_compute_path():

@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import LoadedModel
-    from wafer.models.config import ModelConfig
 
 EXIT_USAGE = 2
 
@@ -151,7 +150,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("hidden size", str(c.hidden_size)),
         ("attention heads", f"{c.num_heads} query, {c.num_kv_heads} KV (head dim {c.head_dim})"),
         ("context length", str(c.max_position_embeddings)),
-        ("KV bytes per token", _kv_bytes_line(c)),
+        ("KV bytes per token", _kv_bytes_line(loaded)),
         ("vocabulary", str(c.vocab_size)),
         ("rope", f"theta {c.rope_theta:g}" + (f", scaling {c.rope_scaling}" if c.rope_scaling else "")
          + (f"; windowed layers theta {c.extra['rope_local_theta']:g}" if "rope_local_theta" in c.extra else "")),
@@ -167,19 +166,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_bytes_line(c: "ModelConfig") -> str:
-    """KV bytes per token at float32, split by layer type where some layers attend to a window."""
-    line = f"{c.kv_bytes_per_token:,} (float32)"
+def _kv_bytes_line(loaded: "LoadedModel") -> str:
+    """KV bytes per token in each KV dtype (the one `auto` picks first), split by layer type where
+    some layers attend to a window."""
+    from wafer.engine.engine import kv_dtype
+    from wafer.engine.kv_cache import KV_DTYPES, bytes_per_token
+
+    c = loaded.config
+    chosen = kv_dtype("auto", loaded)
+    names = sorted(KV_DTYPES, key=lambda n: KV_DTYPES[n] != chosen)
+    line = ", ".join(f"{bytes_per_token(c, KV_DTYPES[n]):,} {n}" + (" (auto)" if KV_DTYPES[n] == chosen else "")
+                     for n in names)
     windows = c.windows
     if all(w is None for w in windows):
         return line
-    per_layer = c.kv_bytes_per_token // c.num_layers
+    per_layer = bytes_per_token(c, chosen) // c.num_layers
     kinds = []
     for w in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
         n = windows.count(w)
         kind = "global" if w is None else f"windowed ({w:,} tokens)"
         kinds.append(f"{kind} {n} layers x {per_layer:,} = {n * per_layer:,}")
-    return f"{line}: {'; '.join(kinds)}"
+    return f"{line}; at {names[0]}: {'; '.join(kinds)}"
 
 
 def cmd_models(args: argparse.Namespace) -> int:

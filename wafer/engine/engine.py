@@ -51,9 +51,16 @@ class EngineConfig:
 
 
 def kv_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
-    """The KV cache's element type: `auto` keeps the model's activation dtype."""
+    """The KV cache's element type. `auto`: bfloat16 on the CPU's quantised paths (q4, q8, int8),
+    where it measured as fast as float32 at short contexts and faster at long ones (1.28x at 2,048
+    tokens, 1.77x at 8,128), for half the memory and no loss (perplexity 0.9982x f32 KV's over 2,048
+    tokens); int8 is faster still but costs 0.4%, so it is asked for, not chosen. Elsewhere the
+    model's activation dtype: the f32 path stays the exact reference, and a GPU model's is bf16."""
+    activations = loaded.model.norm.weight.dtype
     if name == "auto":
-        return loaded.model.norm.weight.dtype
+        if activations == torch.float32 and loaded.compute in ("q4", "q8", "int8"):
+            return torch.bfloat16
+        return activations
     if name not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_DTYPES)}, not {name!r}")
     return KV_DTYPES[name]

@@ -120,7 +120,7 @@ def test_logprobs_are_model_logprobs(engine, prompts, smollm):
     from wafer.engine.scheduler import ScheduledSeq
     from wafer.engine.sequence import Sequence
 
-    kv = KVCache(smollm.config, 1, 256)
+    kv = KVCache(smollm.config, 1, 256, dtype=engine.kv_dtype)  # the engine's KV, rounded alike
     seq = Sequence(ids.tolist(), SamplingParams())
     seq.slot, _ = kv.allocate()
     logits = ModelRunner(smollm.model, kv).run([ScheduledSeq(seq, 0, len(ids))])

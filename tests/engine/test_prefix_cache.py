@@ -4,7 +4,7 @@ recently freed first when the budget is short, and a running sequence shares its
 
 from __future__ import annotations
 
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.engine import EngineConfig, LLMEngine, kv_dtype
 from wafer.engine.kv_cache import BLOCK, bytes_per_token
 from wafer.engine.sequence import SamplingParams
 
@@ -62,8 +62,8 @@ def test_cached_blocks_are_evicted_least_recently_freed_first(smollm):
 
     # A budget of one sequence and a block: each request's blocks are taken from the oldest cached.
     need = -(-(max(map(len, (x, y, z))) + GREEDY.max_tokens) // BLOCK)
-    short = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512,
-                                           kv_cache_memory=(need + 1) * BLOCK * bytes_per_token(smollm.config)))
+    per_block = BLOCK * bytes_per_token(smollm.config, kv_dtype("auto", smollm))
+    short = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, kv_cache_memory=(need + 1) * per_block))
     short.generate([x], GREEDY)
     short.generate([y], GREEDY)
     sz = short.generate([z], GREEDY)[0]

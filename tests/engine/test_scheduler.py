@@ -43,6 +43,7 @@ def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
 def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
     """Eight sequences that need 40 blocks in all, over a budget of 12: later ones are preempted and
     computed again, and every output equals the sequence run alone with room to spare."""
+    from wafer.engine.engine import kv_dtype
     from wafer.engine.kv_cache import BLOCK, bytes_per_token
 
     prompts = [[1] + list(range(100 + 37 * i, 100 + 37 * i + 40)) for i in range(8)]
@@ -50,7 +51,7 @@ def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
     alone = LLMEngine(smollm, EngineConfig(max_running=1, max_model_len=256))
     want = [alone.generate([p], params)[0].tokens for p in prompts]
 
-    budget = 12 * BLOCK * bytes_per_token(smollm.config)
+    budget = 12 * BLOCK * bytes_per_token(smollm.config, kv_dtype("auto", smollm))
     engine = LLMEngine(smollm, EngineConfig(max_running=8, max_model_len=256, kv_cache_memory=budget))
     assert engine.kv.num_blocks == 12 and engine.max_model_len == 12 * BLOCK
     seqs = [engine.add(p, params) for p in prompts]

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.serving import MODEL, start_server
+from wafer.engine.engine import kv_dtype
 from wafer.engine.kv_cache import BLOCK, bytes_per_token
 
 QUESTIONS = ["Name a colour.", "Name a fruit.", "Name a river.", "Name a planet.", "Name a tree.", "Name a bird."]
@@ -22,8 +23,8 @@ def metric(text: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def tight(smollm):
     # Ten blocks: two of these requests at a time, at most, hold all their tokens.
-    s = start_server(smollm, max_running=6,
-                     engine_kw={"kv_cache_memory": 10 * BLOCK * bytes_per_token(smollm.config)})
+    per_block = BLOCK * bytes_per_token(smollm.config, kv_dtype("auto", smollm))
+    s = start_server(smollm, max_running=6, engine_kw={"kv_cache_memory": 10 * per_block})
     yield s
     s.stop()
 
@@ -47,4 +48,4 @@ def test_requests_beyond_the_kv_budget_all_finish_as_alone(tight, server):
     assert metric(text, "wafer:num_preemptions_total") > 0
     assert metric(text, "wafer:kv_cache_usage_perc") == 0.0
     assert 'wafer:num_requests_waiting{model_name="' + MODEL + '"}' in text
-    assert tight.engine.kv.num_used == 0
+    assert tight.engine.kv.num_used == 0 and tight.engine.kv.num_blocks == 10

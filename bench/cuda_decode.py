@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from bench.common import now, table
-from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_cache import KVCache, bytes_per_token
 from wafer.engine.runner import ModelRunner
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence
@@ -87,7 +87,7 @@ def main(args) -> None:  # type: ignore[no-untyped-def]
     # Bytes one decode step reads: every weight but the embedding table (one row of it), and the KV
     # cache up to the middle of the generation.
     weights = sum(p.numel() * p.element_size() for n_, p in model.named_parameters() if "embed_tokens" not in n_)
-    kv_bytes = cfg.kv_bytes_per_token // 4 * torch.finfo(dtype).bits // 8 * (len(prompt) + args.tokens // 2)
+    kv_bytes = bytes_per_token(cfg, kv.layers[0][0].dtype) * (len(prompt) + args.tokens // 2)
     step_bytes = weights + kv_bytes
     name0 = next(iter(systems))
     base = statistics.median(r[1] for r in results[name0])

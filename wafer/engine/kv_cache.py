@@ -176,8 +176,7 @@ class KVCache:
         found: list[int] = []
         prev_hash, prev_block = 0, -1
         for i in range(limit):
-            part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
-            h = hash((prev_hash, part))
+            h, part = _block_hash(prev_hash, tokens, i)
             b = self._index.get(h)
             # The chain and the tokens are checked, not only the hash: another sequence's KV is never
             # served on a collision.
@@ -230,8 +229,7 @@ class KVCache:
         hashes, blocks = self._hashes[slot], self._blocks[slot]
         while len(hashes) < n // BLOCK:
             i = len(hashes)
-            part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
-            h = hash((hashes[-1] if hashes else 0, part))
+            h, part = _block_hash(hashes[-1] if hashes else 0, tokens, i)
             hashes.append(h)
             b, parent = blocks[i], blocks[i - 1] if i else -1
             other = self._index.get(h)
@@ -269,3 +267,9 @@ class KVCache:
         self._hashes.pop(slot, None)
         self._free_slots.append(slot)
         self._free_slots.sort(reverse=True)
+
+
+def _block_hash(prev: int, tokens: list[int], i: int) -> tuple[int, tuple[int, ...]]:
+    """Block i's hash, chained on the hash of the blocks before it, and its tokens."""
+    part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
+    return hash((prev, part)), part

@@ -48,24 +48,23 @@ class ModelRunner:
         order = singles + chunks
         ids: list[int] = []
         positions: list[int] = []
-        write_blocks: list[int] = []
+        slots: list[int] = []
         prefills: list[PrefillChunk] = []
         tables = self.kv.tables
         for item in order:
             seq, start, n = item.seq, item.start, item.count
-            blocks = self.kv.blocks_of(seq.slot)  # type: ignore[arg-type]
             if n > 1:
                 ctx = start + n
                 prefills.append(PrefillChunk(len(ids), n, tables[seq.slot, : -(-ctx // BLOCK)], ctx,
                                              causal_masks(start, n, self.windows)))
             ids.extend(item.input_ids())
             positions.extend(range(start, start + n))
-            write_blocks.extend(blocks[p // BLOCK] for p in range(start, start + n))
+            slots.extend([seq.slot] * n)  # type: ignore[list-item]
         lengths = [s.start + 1 for s in singles]
         nblk = -(-max(lengths, default=0) // BLOCK)
         pos = torch.tensor(positions, dtype=torch.long)
         batch = AttentionBatch(
-            write_blocks=torch.tensor(write_blocks, dtype=torch.long),
+            write_blocks=tables[torch.tensor(slots, dtype=torch.long), pos // BLOCK],
             write_offsets=pos % BLOCK,
             positions=pos,
             num_decode=len(singles),

@@ -37,8 +37,3 @@ class ModelConfig:
     def windows(self) -> list[int | None]:
         """The attention window of each layer (None: the whole context)."""
         return list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V, all layers, for one token at float32 (KV heads are never expanded)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

@@ -29,12 +29,10 @@ def smollm_f32():
 @pytest.fixture(scope="session")
 def smollm_hf():
     """transformers' own load of the same GGUF: the reference."""
-    from transformers import AutoModelForCausalLM
-
+    from tests.tiny import hf_from_gguf
     from wafer.models.loader import default_model_path
 
-    p = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    return hf_from_gguf(default_model_path())
 
 
 @pytest.fixture(scope="session")

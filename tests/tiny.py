@@ -24,6 +24,25 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
+def hf_from_gguf(path: Path):
+    """transformers' own float32 load of a GGUF file: the reference. transformers parses the file's
+    metadata twice (for the config, then for the weights), and for a vocabulary of 150k to 260k
+    tokens each parse takes 10-20 s in Python on two cores; one parse serves both here."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    parse = gguf.GGUFReader
+    cached = lru_cache(maxsize=1)(parse)
+    gguf.GGUFReader = cached
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+    finally:
+        gguf.GGUFReader = parse
+        cached.cache_clear()
+
+
 def make_hf_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """A random model with SmolLM2's vocabulary, saved as safetensors with tokenizer files."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench.quality import corpus_ids, perplexity
+from tests.tiny import hf_from_gguf
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams
 from wafer.models import catalog
@@ -81,9 +82,7 @@ def test_greedy_equals_transformers_on_five_prompts_one_past_the_window(path, f3
     assert len(prompts[-1]) > 800
     ours = greedy(f32, prompts)
 
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(path)
     assert hf.config.sliding_window == 512 and hf.config.layer_types[5] == "full_attention"
     try:
         with torch.inference_mode():

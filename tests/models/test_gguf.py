@@ -8,7 +8,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from tests.tiny import Q, hf_to_gguf, make_hf_model
+from tests.tiny import Q, hf_from_gguf, hf_to_gguf, make_hf_model
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams
 from wafer.models.gguf_loader import permute_rope, unpermute_rope
@@ -68,10 +68,8 @@ def test_quantised_weights_load_as_the_file_says(tmp_path, tiny_hf, qtype):
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K])
 def test_quantised_gguf_logits_match_transformers(tmp_path, tiny_hf, qtype):
     """transformers dequantises GGUF with its own code: an independent check of the whole path."""
-    from transformers import AutoModelForCausalLM
-
     path = hf_to_gguf(tiny_hf, tmp_path / f"m-{qtype.name}.gguf", qtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(path)
     loaded = load_model(str(path))
     ids = torch.tensor([PROMPTS[1]])
     with torch.inference_mode():

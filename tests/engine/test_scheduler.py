@@ -1,4 +1,4 @@
-"""How much prompt a step takes while others decode."""
+"""How much prompt a step takes, alone and while others decode."""
 
 from __future__ import annotations
 
@@ -24,12 +24,29 @@ def test_a_long_prompt_is_read_in_steps_of_bounded_time(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
     engine._seconds_per_token = 0.001  # as if learned: 20 prompt tokens fit in the step's 20 ms
+    engine._time_prefill = lambda scheduled, seconds: None  # and kept, whatever this machine's cost
     counts = _prompt_tokens_per_step(engine, long_prompt)
     assert max(counts[:-1]) <= 20 and max(counts) <= 20, counts
 
     free = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                           prefix_caching=False))
     assert max(_prompt_tokens_per_step(free, long_prompt)) == 256 - 1  # the whole budget but the decoder's
+
+
+def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
+    """With no one decoding, the step still holds the server's loop (which answers every other
+    request) for as long as it runs."""
+    engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
+                                            prefix_caching=False, prefill_step_seconds=0.02))
+    engine._seconds_per_token = 0.001
+    engine._time_prefill = lambda scheduled, seconds: None  # keep the cost as set, whatever this machine's
+    seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    counts = []
+    while not seq.finished:
+        before = seq.num_cached
+        engine.step()
+        counts.append(seq.num_cached - before)
+    assert sum(counts) >= 299 and max(counts) <= 20, counts
 
 
 def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):

@@ -43,8 +43,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # f32, bf16 or int8 (scales per position and head); see kv_dtype()
     max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
-    # Seconds of prompt work a step may add while other sequences decode (None: no limit). The
-    # server sets it so that one request's long prompt delays the others' tokens by a bounded time.
+    # Seconds of prompt work a step may take (None: no limit). The server sets it so that one
+    # request's long prompt delays the others' tokens, and its own loop, by a bounded time.
     prefill_step_seconds: float | None = None
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -242,11 +242,12 @@ class LLMEngine:
         return max(self._MIN_CHUNK, int(self.config.prefill_step_seconds / self._seconds_per_token))
 
     def _time_prefill(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
-        """Learn the cost of a token from steps that were mostly prompt (an upper bound: the step's
-        fixed cost counts in), as a moving average that follows the machine's load."""
-        tokens = sum(item.count for item in scheduled)
-        if tokens >= 4 * self._MIN_CHUNK:
-            per_token = seconds / tokens
+        """Learn the cost of a token from steps of some prompt work, as a moving average that
+        follows the machine's load. The step's fixed cost counts in, more so in a short step, so
+        that the cap settles where a whole step, not its prompt work alone, takes the time allowed."""
+        prompt = sum(max(0, min(item.count, item.seq.num_prompt - item.start)) for item in scheduled)
+        if prompt >= self._MIN_CHUNK:
+            per_token = seconds / sum(item.count for item in scheduled)
             old = self._seconds_per_token
             self._seconds_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
 

@@ -57,8 +57,9 @@ class Scheduler:
 
     def schedule(self, prefill_cap: int | None = None) -> list[ScheduledSeq]:
         """Decoders first (one token each), then prefill chunks while the budget lasts. With
-        `prefill_cap`, prompts get at most that many tokens in a step that also decodes: the step's
-        length is how long every decoder waits for its next token.
+        `prefill_cap`, prompts get at most that many tokens in a step: the step's length is how long
+        every decoder waits for its next token, and how long the server's loop, which steps the
+        engine, answers no one.
 
         Running sequences are served in the order they were admitted. When the cache has no block
         for one of them, the sequence admitted last is preempted: its blocks go back (its full ones
@@ -77,7 +78,7 @@ class Scheduler:
                     budget -= 1
             else:
                 prefilling.append(seq)
-        if out and prefill_cap is not None:
+        if prefill_cap is not None:
             budget = min(budget, prefill_cap)
         for seq in prefilling:
             if budget <= 0:

@@ -40,8 +40,9 @@ from wafer.server.generation import ServedModel
 log = logging.getLogger("wafer.server")
 
 
-# A step that decodes for others takes at most about this long of one prompt's work: the streams wait
-# that long for their next token while a long prompt is read in.
+# A step takes at most about this long of prompts' work: the streams wait that long for their next
+# token while a long prompt is read in, and the loop that steps the engine (and answers every other
+# request) is held that long (issue 19 bounds it at 100 ms, the step's own overhead included).
 PREFILL_STEP_SECONDS = 0.05
 
 

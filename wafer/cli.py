@@ -7,7 +7,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from wafer.engine import defaults
 from wafer.errors import WaferError
+from wafer.loading import load_with_progress
 
 if TYPE_CHECKING:
     from wafer.engine.engine import LLMEngine
@@ -17,34 +19,10 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 
 
-def load_with_progress(model: str | None, quiet: bool = False, compute: str = "auto",
-                       device: str = "auto") -> "LoadedModel":
-    """Load a model, with a progress bar on stderr. Device `auto`: CUDA where there is a GPU."""
-    import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from wafer.models.loader import load_model
-
-    torch.set_num_threads(torch.get_num_threads())
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
-                  TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
-        task = bar.add_task(f"loading {model or 'default model'}", total=None)
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        loaded = load_model(model, progress=lambda i, n: bar.update(task, completed=i, total=n), compute=compute,
-                            device=device)
-    if not quiet:
-        console.print(f"[dim]loaded {loaded.name} ({loaded.config.arch}, {loaded.num_parameters / 1e6:.0f}M parameters)[/]")
-    return loaded
-
-
 def make_engine(loaded: "LoadedModel", args: argparse.Namespace) -> "LLMEngine":
     from wafer.engine.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(loaded, EngineConfig(max_running=getattr(args, "max_running", 4) or 4,
-                                          max_model_len=args.max_model_len))
+    return LLMEngine(loaded, EngineConfig(max_model_len=args.max_model_len))
 
 
 def sampling_from_args(args: argparse.Namespace) -> "SamplingParams":
@@ -245,7 +223,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=4096, help="context to allocate (default 4096)")
+    p.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
+                   help=f"context to allocate (default {defaults.MAX_MODEL_LEN})")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or statistics")
     _quant_arg(p)
 
@@ -303,10 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "$WAFER_DATA_DIR, else ~/.local/share/wafer, made on first use)")
     s.add_argument("--protect-metrics", action="store_true",
                    help="/metrics and the dashboard's data need the API key too (default: open, as in vLLM)")
-    s.add_argument("--max-running", type=int, default=16, help="sequences decoded together")
-    s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
-    s.add_argument("--max-model-len", type=int, default=4096, help="context to allocate per sequence")
-    s.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step (prefill chunk)")
+    s.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING, help="sequences decoded together")
+    s.add_argument("--max-waiting", type=int, default=defaults.MAX_WAITING, help="queued requests before 429")
+    s.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN, help="context to allocate per sequence")
+    s.add_argument("--max-batched-tokens", type=int, default=defaults.MAX_BATCHED_TOKENS,
+                   help="tokens per engine step (prefill chunk)")
     s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "f32", "bf16", "int8"],
                    help="how keys and values are stored: int8 has a scale per position and head (a quarter of "
                         "f32's bytes); auto keeps the model's activation type")

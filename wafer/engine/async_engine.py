@@ -18,6 +18,7 @@ context switches of the loop thread (wake-ups, GIL hand-offs) against none here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -25,8 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from wafer.engine import defaults
 from wafer.engine.compute_threads import ComputeThreads
-from wafer.engine.engine import LLMEngine
+from wafer.engine.constraints import GrammarMatcher
+from wafer.engine.engine import EngineSnapshot, LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 
 log = logging.getLogger("wafer.engine")
@@ -57,10 +60,12 @@ class EngineRequest:
 
 
 class AsyncEngine:
-    """One model's engine as the HTTP layer sees it. Every method, like the task that steps it,
-    runs on the one event loop; `run_engines` steps it."""
+    """One model's engine as the server, the router and the agents see it: the only way they reach
+    it. Requests go in with `submit` and out through their queues, `abort` ends one, `stats` reports.
+    These, like the task that steps it (`run_engines`), run on the one event loop; the checks of what
+    a request asks (`validate`, the grammar methods) touch no engine state and run on any thread."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 64) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = defaults.MAX_WAITING) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -87,6 +92,32 @@ class AsyncEngine:
     @property
     def idle(self) -> bool:
         return self._pending == 0 and not self.engine.has_work
+
+    def stats(self) -> EngineSnapshot:
+        """The engine's figures now, requests submitted but not yet taken by a step counted as waiting."""
+        snap = self.engine.snapshot()
+        return dataclasses.replace(snap, waiting=snap.waiting + self._pending)
+
+    # --- what a request may ask -----------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate(self, prompt_ids: list[int]) -> None:
+        """Raises ValueError for a prompt the engine cannot take, whatever its load."""
+        self.engine.check(prompt_ids)
+
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one special token of the model's tokenizer."""
+        return self.engine.constraints.is_special(text)
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raises GrammarError (a ValueError) for a grammar that cannot be compiled."""
+        self.engine.constraints.check(grammar)
+
+    def compile_grammar(self, grammar: str) -> GrammarMatcher:
+        """A matcher for `grammar`, to pass as SamplingParams.compiled (each sequence gets a copy)."""
+        return self.engine.constraints.matcher(grammar)
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str = "",

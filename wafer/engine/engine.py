@@ -1,11 +1,13 @@
 """LLMEngine: add requests, step them together, read what each step produced.
 
-Single-threaded by design: the server runs it in one thread of its own and talks to it through
-`add`, `abort` and `step`; `generate` is the blocking convenience for scripts and tests.
+Single-threaded by design: the server steps it on its event loop through AsyncEngine (the only
+way the server, the router and the agents reach it), which calls `add`, `abort`, `step` and
+`snapshot`; `generate` is the blocking convenience for scripts and tests.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wafer.engine import defaults
 from wafer.engine.constraints import Constraints, mask_logits
 from wafer.engine.kv_cache import BLOCK, KV_DTYPES, KVCache, bytes_per_token
 from wafer.engine.runner import ModelRunner
@@ -35,13 +38,13 @@ log = logging.getLogger("wafer.engine")
 
 @dataclass
 class EngineConfig:
-    max_running: int = 16
+    max_running: int = defaults.MAX_RUNNING
     max_model_len: int | None = None  # default: the model's context length
     # Bytes of KV the cache may hold (default: default_kv_budget(), or less when every running
     # sequence fits at max_model_len). The pool takes memory only as its blocks are first written.
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"  # f32, bf16 or int8 (scales per position and head); see kv_dtype()
-    max_batched_tokens: int = 512  # per step: decode tokens plus prefill chunks
+    max_batched_tokens: int = defaults.MAX_BATCHED_TOKENS  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
     # Seconds of prompt work a step may take (None: no limit). The server sets it so that one
     # request's long prompt delays the others' tokens, and its own loop, by a bounded time.
@@ -81,6 +84,21 @@ class EngineStats:
     last_batch_size: int = 0  # sequences advanced by the most recent step
     max_batch_size: int = 0  # the most sequences one step has advanced
     spec: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What an engine says of itself at one moment: all that the server's metrics and health read."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of the KV blocks live sequences hold
+    kv_peak_usage: float
+    kv_capacity_bytes: int
+    prefix_hit_rate: float
+    last_batch_size: int
+    num_preemptions: int
+    spec: SpecStats
 
 
 class LLMEngine:
@@ -126,12 +144,22 @@ class LLMEngine:
                              "differ (speculative decoding needs the same vocabulary)")
         return DraftModelProposer(draft.model, self.kv.num_slots, self.max_model_len, self.config.seed)
 
+    def snapshot(self) -> EngineSnapshot:
+        kv = self.kv
+        return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage, kv.peak_usage,
+                              kv.capacity_bytes, kv.prefix_hit_rate, self.stats.last_batch_size,
+                              self.scheduler.num_preemptions, copy.deepcopy(self.stats.spec))
+
     # --- requests -------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
+    def check(self, prompt_ids: list[int]) -> None:
+        """Raises ValueError for a prompt this engine cannot take, whatever its load."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len}")
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
+        self.check(prompt_ids)
         seq = Sequence(list(prompt_ids), params)
         if params.compiled is not None:
             seq.matcher = params.compiled.deep_copy()
@@ -171,18 +199,28 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
-        """One forward pass over the scheduled sequences and a token (or several) for each. A failure
-        that belongs to one sequence (its sampling parameters, its grammar, its forward rows) ends
-        that sequence alone, with finish_reason "error"; the others go on."""
+        """One forward pass over the scheduled sequences and a token (or several) for each: schedule,
+        run, process the outputs. A failure that belongs to one sequence (its sampling parameters,
+        its grammar, its forward rows) ends that sequence alone, with finish_reason "error"; the
+        others go on."""
         started = time.perf_counter()
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        failed: list[SequenceOutput] = []
+        scheduled, logits = self._forward(scheduled, failed)
+        if not scheduled:
+            return failed
+        return self._process(scheduled, logits, failed, time.perf_counter() - started)
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        """The sequences of this step, with their drafts to verify where speculation is on."""
         scheduled = self.scheduler.schedule(self._prefill_cap())
         for seq in self.scheduler.preempted:  # recomputed later from its tokens: the draft's KV goes too
             if self.proposer is not None:
                 self.proposer.release(seq.seq_id)
         self.scheduler.preempted.clear()
-        if not scheduled:
-            return []
-        if self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
+        if scheduled and self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
             try:
                 self._attach_drafts(scheduled)
             except Exception:  # speculation is an optimisation: this step goes without it
@@ -191,10 +229,12 @@ class LLMEngine:
                     if item.draft:
                         item.count -= len(item.draft)
                         item.rows, item.draft, item.draft_probs = 1, [], None
-        failed: list[SequenceOutput] = []
-        scheduled, logits = self._forward(scheduled, failed)
-        if not scheduled:
-            return failed
+        return scheduled
+
+    def _process(self, scheduled: list[ScheduledSeq], logits: torch.Tensor, outputs: list[SequenceOutput],
+                 seconds: float) -> list[SequenceOutput]:
+        """The step's bookkeeping, then a token for each sequence that reached its end (verified drafts
+        give several); `outputs` already holds the sequences the forward pass failed."""
         self.stats.steps += 1
         self.stats.last_batch_size = len(scheduled)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
@@ -217,8 +257,7 @@ class LLMEngine:
             self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
             if item.start < seq.num_prompt:
                 self.stats.prompt_tokens += min(item.count, seq.num_prompt - item.start)
-        self._time_prefill(scheduled, time.perf_counter() - started)
-        outputs = failed
+        self._time_prefill(scheduled, seconds)
         if plain:
             rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
             for i, seq in enumerate(plain):
@@ -437,7 +476,11 @@ class LLMEngine:
 
     @torch.inference_mode()
     def warmup(self) -> None:
+        """Before the first request rather than under it: a first step (kernels, thread pools, first
+        allocations), and the grammar engine's view of the vocabulary (half a second to build,
+        holding the GIL, which would stall every stream under the first request with a schema)."""
         self.generate([[self.tokenizer.bos_id or 0] * 4], SamplingParams(max_tokens=2, temperature=0))
+        self.constraints.llt  # noqa: B018 (built on first use)
 
 
 def _merge(outs: list[SequenceOutput]) -> SequenceOutput:

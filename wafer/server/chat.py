@@ -96,7 +96,7 @@ class ChatHandler(ReasonedChat):
     def _grammar(self, req: ChatCompletionRequest, tools: list[dict[str, Any]],
                  choice: str | dict[str, Any]) -> str | None:
         if tools:
-            special = self.m.engine.engine.constraints.is_special(OPEN)
+            special = self.m.engine.is_special(OPEN)
             grammar, param = tool_grammar(tools, choice, req.parallel_tool_calls, special), "tools"
         elif req.response_format is not None and req.response_format.type != "text":
             schema = None
@@ -108,7 +108,7 @@ class ChatHandler(ReasonedChat):
         else:
             return None
         try:
-            self.m.engine.engine.constraints.check(grammar)
+            self.m.engine.check_grammar(grammar)
         except GrammarError as e:
             raise bad_request(f"the schema cannot be compiled into a grammar: {e}", param) from None
         return grammar
@@ -146,7 +146,7 @@ class ChatHandler(ReasonedChat):
         tools, choice = self._tools(req)
         grammar = self._grammar(req, tools, choice)
         try:
-            compiled = self.m.engine.engine.constraints.matcher(grammar) if grammar is not None else None
+            compiled = self.m.engine.compile_grammar(grammar) if grammar is not None else None
         except GrammarError as e:
             raise bad_request(f"the schema cannot be compiled into a grammar: {e}",
                               "tools" if tools else "response_format") from None

@@ -205,6 +205,11 @@ class GenerationHandler:
         if len(jobs) > limit:  # never admitted, however idle the server: not a 429 to retry
             raise bad_request(f"This request asks for {len(jobs)} completions; this server queues at most {limit} at "
                               f"once (--max-waiting). Ask for fewer.", param)
+        for ids, _ in jobs:
+            try:
+                self.m.engine.validate(ids)
+            except ValueError as e:
+                raise bad_request(str(e)) from None
         reqs: list[EngineRequest] = []
         # Several choices share one queue, each output tagged with its choice's index.
         shared = asyncio.Queue() if len(jobs) > 1 else None

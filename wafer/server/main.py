@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from wafer import __version__
+from wafer.engine import defaults
 from wafer.engine.async_engine import AsyncEngine, run_engines
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.speculative import SpeculativeConfig
@@ -40,17 +41,12 @@ from wafer.server.generation import ServedModel
 log = logging.getLogger("wafer.server")
 
 
-# A step takes at most about this long of prompts' work: the streams wait that long for their next
-# token while a long prompt is read in, and the loop that steps the engine (and answers every other
-# request) is held that long (issue 19 bounds it at 100 ms, the step's own overhead included).
-PREFILL_STEP_SECONDS = 0.05
-
-
-def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_waiting: int,
-                 max_model_len: int | None, max_batched_tokens: int = 256,
+def build_served(loaded: LoadedModel, names: list[str], max_running: int = defaults.MAX_RUNNING,
+                 max_waiting: int = defaults.MAX_WAITING, max_model_len: int | None = defaults.MAX_MODEL_LEN,
+                 max_batched_tokens: int = defaults.MAX_BATCHED_TOKENS,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
                  prefix_caching: bool = True, sampling: dict[str, float] | None = None,
-                 prefill_step_seconds: float | None = PREFILL_STEP_SECONDS,
+                 prefill_step_seconds: float | None = defaults.PREFILL_STEP_SECONDS,
                  kv_cache_memory: int | None = None, kv_cache_dtype: str = "auto") -> ServedModel:
     """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
     over the model's own."""
@@ -61,9 +57,6 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int, max_wa
                                             kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype),
                        draft=draft)
     engine.warmup()
-    # The grammar engine's view of the vocabulary: half a second to build, holding the GIL, so built
-    # now rather than under the first request with a schema (which would stall every stream).
-    engine.constraints.llt
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     digest = hashlib.sha256(f"{loaded.name}:{loaded.config.quantization}:{__version__}".encode()).hexdigest()
     return ServedModel(
@@ -209,7 +202,7 @@ def fit_memory(cfg: ServeConfig, budget: int | None = None) -> list[str]:
 def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
     """Load every local model of the configuration (weights shared between entries with the same
     file); fit_memory() first drops those the memory budget cannot hold."""
-    from wafer.cli import load_with_progress
+    from wafer.loading import load_with_progress
 
     for note in fit_memory(cfg):
         log.warning(note)
@@ -233,8 +226,10 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
             draft = load(other.path, other.quant, other.device) if other else load(ref, m.quant, m.device)
         o = m.options
         try:
-            served.append(build_served(target, [m.name], o.get("max_running", 16), o.get("max_waiting", 64),
-                                       o.get("max_model_len", 4096), o.get("max_batched_tokens", 256),
+            served.append(build_served(target, [m.name], o.get("max_running", defaults.MAX_RUNNING),
+                                       o.get("max_waiting", defaults.MAX_WAITING),
+                                       o.get("max_model_len", defaults.MAX_MODEL_LEN),
+                                       o.get("max_batched_tokens", defaults.MAX_BATCHED_TOKENS),
                                        speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
                                        sampling=m.sampling, kv_cache_memory=o.get("kv_cache_memory"),
                                        kv_cache_dtype=m.kv_cache_dtype))

@@ -159,13 +159,13 @@ class ServerMetrics:
     def add_model(self, name: str, engine: Any) -> None:
         """Live gauges for a local model's engine (an AsyncEngine)."""
         self.engines[name] = engine
-        self.running.labels(name).set_function(lambda: engine.num_running)
-        self.waiting.labels(name).set_function(lambda: engine.num_waiting)
-        self.kv.labels(name).set_function(lambda: engine.engine.kv.usage)
-        self.kv_peak.labels(name).set_function(lambda: engine.engine.kv.peak_usage)
-        self.kv_capacity.labels(name).set_function(lambda: engine.engine.kv.capacity_bytes)
-        self.batch.labels(name).set_function(lambda: engine.engine.stats.last_batch_size)
-        self.prefix_hit_rate.labels(name).set_function(lambda: engine.engine.kv.prefix_hit_rate)
+        self.running.labels(name).set_function(lambda: engine.stats().running)
+        self.waiting.labels(name).set_function(lambda: engine.stats().waiting)
+        self.kv.labels(name).set_function(lambda: engine.stats().kv_usage)
+        self.kv_peak.labels(name).set_function(lambda: engine.stats().kv_peak_usage)
+        self.kv_capacity.labels(name).set_function(lambda: engine.stats().kv_capacity_bytes)
+        self.batch.labels(name).set_function(lambda: engine.stats().last_batch_size)
+        self.prefix_hit_rate.labels(name).set_function(lambda: engine.stats().prefix_hit_rate)
 
     def request(self, model: str) -> RequestTimer:
         return RequestTimer(self, model)
@@ -221,7 +221,7 @@ class ServerMetrics:
             for s in metric.samples:
                 if s.name.endswith("_total"):
                     errors[s.labels["status"]] = s.value
-        engines = list(self.engines.values())
+        stats = [e.stats() for e in self.engines.values()]
         return {
             "time": now,
             "model": ", ".join(self.engines),
@@ -230,9 +230,9 @@ class ServerMetrics:
             "requests_total": total(self.success),
             "agents": self._agents(),
             "errors": errors,
-            "running": sum(e.num_running for e in engines),
-            "waiting": sum(e.num_waiting for e in engines),
-            "kv_cache_usage": max((e.engine.kv.usage for e in engines), default=0.0),
+            "running": sum(s.running for s in stats),
+            "waiting": sum(s.waiting for s in stats),
+            "kv_cache_usage": max((s.kv_usage for s in stats), default=0.0),
             "ttft_p50": _percentile(ttfts, 0.5),
             "ttft_p95": _percentile(ttfts, 0.95),
             "e2e_p50": _percentile(e2es, 0.5),
@@ -261,14 +261,15 @@ class _SpecDecodeCollector:
         preempted = CounterMetricFamily("wafer:num_preemptions", "Running sequences stopped for want of KV "
                                         "blocks, to be computed again (as vLLM's num_preemptions).", labels=lbl)
         for name, engine in self.engines.items():
-            st = engine.engine.stats.spec
+            snap = engine.stats()
+            st = snap.spec
             drafts.add_metric([name], st.drafts)
             tokens.add_metric([name], st.draft_tokens)
             accepted.add_metric([name], st.accepted_tokens)
             for pos, n in enumerate(st.accepted_per_pos):
                 per_pos.add_metric([name, str(pos)], n)
             length.add_metric([name], st.mean_acceptance_length)
-            preempted.add_metric([name], engine.engine.scheduler.num_preemptions)
+            preempted.add_metric([name], snap.num_preemptions)
         yield from (drafts, tokens, accepted, per_pos, length, preempted)
 
 

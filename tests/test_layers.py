@@ -1,0 +1,100 @@
+"""The package's layers import one way: models <- engine <- server, router, agents <- cli, and no
+module imports another that (through any chain) imports it back. Read from the source, imports
+inside functions included: a lazy import in a circle is still a circle."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import wafer
+
+ROOT = Path(wafer.__file__).parent
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (imports for annotations only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Each wafer module -> the wafer modules it imports (a package's import counts as its __init__)."""
+    modules = {_module(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in modules and t != name:
+                    found.add(t)
+        graph[name] = found
+    return graph
+
+
+def test_no_module_imports_in_a_circle():
+    graph = _imports()
+    cycles = []
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join(trail + [start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+    # a package's __init__ importing its own submodules is not a circle of code
+    cycles = [c for c in cycles if not all(m.startswith(c.split(" -> ")[0]) for m in c.split(" -> "))]
+    assert not cycles, "\n".join(sorted(set(cycles)))
+
+
+UPPER = ("wafer.server", "wafer.router", "wafer.agents", "wafer.benchmark", "wafer.cli")
+
+
+def test_the_layers_import_one_way():
+    graph = _imports()
+    wrong = []
+    for name, deps in graph.items():
+        for dep in deps:
+            if name.startswith("wafer.models") and dep.startswith(("wafer.engine", *UPPER)):
+                wrong.append(f"{name} imports {dep}")
+            if name.startswith("wafer.engine") and dep.startswith(UPPER):
+                wrong.append(f"{name} imports {dep}")
+            if name.startswith(UPPER) and dep.startswith("wafer.cli") and name != "wafer.cli":
+                wrong.append(f"{name} imports {dep}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+INSIDES = re.compile(r"\bengine\.(engine|kv|scheduler|runner|constraints)\b|\.constraints\.")
+
+
+def test_the_server_reaches_the_engine_through_its_interface():
+    """Nothing above the engine reads an engine's insides (`.engine.engine`, its KV cache, its
+    scheduler, its grammar constraints): AsyncEngine is the boundary."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        if _module(path).startswith(("wafer.server", "wafer.router", "wafer.agents")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if INSIDES.search(line) and not line.lstrip().startswith(("from ", "import ")):
+                    found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -3,6 +3,7 @@ waiting requests from /health, the KV cache in use from /metrics, resident memor
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -83,15 +84,17 @@ class Server:
             return self.proc.wait()
 
 
-def start(extra: list[str], log: Path, timeout: float = 300.0) -> Server:
-    """`wafer serve` with `extra` arguments on a free port, its output in `log`; returns once /health answers."""
+def start(extra: list[str], log: Path, timeout: float = 300.0, env: dict[str, str] | None = None) -> Server:
+    """`wafer serve` with `extra` arguments on a free port, its output in `log`; returns once /health
+    answers. `env`: variables set for it over this process's (OMP_NUM_THREADS, say)."""
     # A SIGTERM to the script must still stop its server (the `finally` that calls stop() runs on SystemExit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     port = free_port()
     cmd = [sys.executable, "-m", "wafer.cli", "serve", "--port", str(port), "--log-level", "warning", *extra]
     log.parent.mkdir(parents=True, exist_ok=True)
     out = log.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                            env={**os.environ, **env} if env else None)
     server = Server(proc, port, log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

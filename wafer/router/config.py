@@ -21,6 +21,12 @@
     model = "big-model"         # the name sent upstream
     price = {input = 1.25, output = 10.0}
 
+    [upstreams.pool]            # copies of one model (router/replicas.py), instead of base_url:
+    replicas = ["http://10.0.0.6:8000/v1", "http://10.0.0.7:8000/v1"]
+    policy = "prefix"           # or least_outstanding (default): fewest requests in flight
+    model = "SmolLM2-135M-Instruct"
+    cooldown = 10               # seconds a failing replica is left out (doubling while it fails)
+
     [tiers]
     sol = ["cloud", "small"]    # first target serves; the rest are fallbacks, in order
     terra = "small"
@@ -115,6 +121,13 @@ class UpstreamConfig:
     api_key_env: str | None = None
     timeout: float = 120.0
     price: dict[str, float] = field(default_factory=dict)
+    # Several servers of the same model instead of base_url (replicas.py): how to share requests
+    # between them, and how long one that failed is left out.
+    replicas: list[str] = field(default_factory=list)
+    policy: str = "least_outstanding"  # or "prefix"
+    cooldown: float = 10.0
+    health_interval: float = 5.0
+    balance_slack: int = 4
 
     @property
     def api_key(self) -> str | None:
@@ -299,10 +312,7 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
                                         **own, sampling=sampling, price=_price(m.get("price"), f"model {name!r}"))
     upstreams = {}
     for name, u in (raw.get("upstreams") or {}).items():
-        if "base_url" not in u:
-            raise ConfigError(f"upstream {name!r} needs base_url")
-        upstreams[name] = UpstreamConfig(name, u["base_url"].rstrip("/"), u.get("model", name), u.get("api_key_env"),
-                                         float(u.get("timeout", 120.0)), _price(u.get("price"), f"upstream {name!r}"))
+        upstreams[name] = _upstream(name, u)
     if not models and not upstreams:
         raise ConfigError("no [models] and no [upstreams]")
     first = next(iter(models or upstreams))
@@ -329,6 +339,37 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
                       _reasoning(raw.get("reasoning", {})), agents.get("subagent_model"))
     cfg.check()
     return cfg
+
+
+REPLICA_POLICIES = ("least_outstanding", "prefix")
+UPSTREAM_OPTIONS = {"base_url", "model", "api_key_env", "timeout", "price", "replicas", "policy", "cooldown",
+                    "health_interval", "balance_slack"}
+
+
+def _upstream(name: str, u: dict[str, Any]) -> UpstreamConfig:
+    where = f"upstream {name!r}"
+    unknown = set(u) - UPSTREAM_OPTIONS
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {sorted(unknown)}")
+    replicas = u.get("replicas", [])
+    if not isinstance(replicas, list) or not all(isinstance(r, str) and r for r in replicas):
+        raise ConfigError(f"{where}: replicas must be a list of base URLs, e.g. [\"http://10.0.0.5:8000/v1\"]")
+    if ("base_url" in u) == bool(replicas):
+        raise ConfigError(f"{where} needs base_url, or replicas (a list of base URLs), not both")
+    if u.get("policy", "least_outstanding") not in REPLICA_POLICIES:
+        raise ConfigError(f"{where}: policy must be one of {', '.join(REPLICA_POLICIES)}")
+    try:
+        numbers = {k: float(u[k]) for k in ("timeout", "cooldown", "health_interval") if k in u}
+        slack = int(u.get("balance_slack", 4))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: timeout, cooldown and health_interval are seconds, balance_slack a count") from None
+    if any(v <= 0 for v in numbers.values()) or slack < 0:
+        raise ConfigError(f"{where}: timeout, cooldown and health_interval must be positive, balance_slack >= 0")
+    base = u.get("base_url") or replicas[0]
+    return UpstreamConfig(name, base.rstrip("/"), u.get("model", name), u.get("api_key_env"),
+                          numbers.get("timeout", 120.0), _price(u.get("price"), where),
+                          [r.rstrip("/") for r in replicas], u.get("policy", "least_outstanding"),
+                          numbers.get("cooldown", 10.0), numbers.get("health_interval", 5.0), slack)
 
 
 def draft_target(cfg: ServeConfig, name: str) -> str:

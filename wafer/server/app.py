@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from wafer.agents.responses import ResponsesService, sse
 from wafer.agents.store import ResponseStore
 from wafer.router.config import LocalModelConfig, UpstreamConfig, default_config
 from wafer.router.router import Router, UnknownModel
+from wafer.router.replicas import ReplicaSet
 from wafer.router.upstream import UpstreamUnavailable, forward
 from wafer.server.chat import ChatHandler
 from wafer.server.completions import CompletionHandler
@@ -182,7 +184,9 @@ def create_app(
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
+    pools = {name: ReplicaSet(up) for name, up in upstreams.items() if up.replicas}
     metrics = next((m.metrics for m in served_list if m.metrics is not None), None) or ServerMetrics()
+    metrics.add_replicas(pools)
     local: dict[str, tuple[ServedModel, ChatHandler, CompletionHandler]] = {}
     for served in served_list:
         served.metrics = metrics
@@ -203,10 +207,20 @@ def create_app(
             agents[0].on_finish.append(metrics.agent_response)
         return agents[0]
 
+    async def check_replicas() -> None:
+        interval = min(p.up.health_interval for p in pools.values())
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(p.check_health(http) for p in pools.values()), return_exceptions=True)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         monitor.start()
+        checks = asyncio.get_running_loop().create_task(check_replicas()) if pools else None
         yield
+        if checks is not None:
+            checks.cancel()
+            await asyncio.gather(checks, return_exceptions=True)
         await monitor.stop()
         for service in agents:  # parked programs die with the server
             await service.close()
@@ -291,8 +305,13 @@ def create_app(
                 response.headers.update({**headers, "x-wafer-model": target})
                 return response
             up = upstreams[target]
+            path = "/chat/completions" if kind == "chat" else "/completions"
             try:
-                reply = await forward(http, up, "/chat/completions" if kind == "chat" else "/completions", body)
+                if target in pools:
+                    reply, replica = await pools[target].forward(http, path, body)
+                    headers["x-wafer-replica"] = replica.url
+                else:
+                    reply = await forward(http, up, path, body)
             except UpstreamUnavailable as e:
                 log.warning("upstream %s could not answer (%s); falling back", target, e)
                 metrics.fallbacks.labels(target).inc()

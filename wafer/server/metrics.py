@@ -153,6 +153,8 @@ class ServerMetrics:
                                      registry=r)
         self.engines: dict[str, Any] = {}
         r.register(_SpecDecodeCollector(self.engines))
+        self.replica_sets: dict[str, Any] = {}
+        r.register(_ReplicaCollector(self.replica_sets))
         self.recent: deque[tuple[float, float | None, float, int]] = deque(maxlen=5000)
         self.started = time.time()
 
@@ -166,6 +168,10 @@ class ServerMetrics:
         self.kv_capacity.labels(name).set_function(lambda: engine.stats().kv_capacity_bytes)
         self.batch.labels(name).set_function(lambda: engine.stats().last_batch_size)
         self.prefix_hit_rate.labels(name).set_function(lambda: engine.stats().prefix_hit_rate)
+
+    def add_replicas(self, pools: dict[str, Any]) -> None:
+        """An upstream's replicas (router/replicas.py ReplicaSets, by upstream name), read at scrape time."""
+        self.replica_sets.update(pools)
 
     def request(self, model: str) -> RequestTimer:
         return RequestTimer(self, model)
@@ -271,6 +277,33 @@ class _SpecDecodeCollector:
             length.add_metric([name], st.mean_acceptance_length)
             preempted.add_metric([name], snap.num_preemptions)
         yield from (drafts, tokens, accepted, per_pos, length, preempted)
+
+
+class _ReplicaCollector:
+    """Each replica's load, requests, errors and health, as the router that shares requests among
+    them sees it."""
+
+    def __init__(self, pools: dict[str, Any]) -> None:
+        self.pools = pools
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        lbl = ["upstream", "replica"]
+        outstanding = GaugeMetricFamily("wafer:replica_requests_outstanding", "Requests in flight to the replica.",
+                                        labels=lbl)
+        requests = CounterMetricFamily("wafer:replica_requests", "Requests sent to the replica (tries included).",
+                                       labels=lbl)
+        errors = CounterMetricFamily("wafer:replica_errors", "Tries the replica could not answer (then the "
+                                     "request went to another), and failed health checks.", labels=lbl)
+        healthy = GaugeMetricFamily("wafer:replica_healthy", "1 when the replica takes requests, 0 while it "
+                                    "cools down after a failure.", labels=lbl)
+        for name, pool in self.pools.items():
+            up = {r.url for r in pool.healthy()}
+            for r in pool.replicas:
+                outstanding.add_metric([name, r.url], r.outstanding)
+                requests.add_metric([name, r.url], r.requests)
+                errors.add_metric([name, r.url], r.errors)
+                healthy.add_metric([name, r.url], 1.0 if r.url in up else 0.0)
+        yield from (outstanding, requests, errors, healthy)
 
 
 class StatusCounter:

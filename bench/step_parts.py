@@ -6,6 +6,10 @@
   run next to it; the median of those.
 - The greedy pick: wafer's `argmax_rows` against `torch.max(dim=-1)` on rows of the vocabulary's
   length, for 1, 16 and 64 rows (decode batches), warm, the median of repeated calls.
+- Sampling at the models' own defaults (SmolLM2's temperature 0.2 and top-p 0.9, Qwen2.5's 0.7, 0.8
+  and top-k 20, and plain temperature 1): the Sampler's batched draw among candidates against a row
+  at a time over the whole vocabulary (`sample_row`, what every sampled row cost before), on the
+  default model's own logits for 1, 16 and 64 rows.
 """
 
 from __future__ import annotations
@@ -91,20 +95,73 @@ def argmax(vocab: int) -> list[list[str]]:
     return rows
 
 
+def model_logits(rows: int) -> torch.Tensor:
+    """The default model's logits at the last `rows` positions of a held text."""
+    from bench.quality import corpus_ids
+    from wafer.engine.kv_cache import KVCache
+    from wafer.engine.runner import ModelRunner
+    from wafer.engine.scheduler import ScheduledSeq
+    from wafer.engine.sequence import SamplingParams, Sequence
+
+    loaded = load_model(compute="q4")
+    ids = corpus_ids(loaded.tokenizer, rows + 16)
+    kv = KVCache(loaded.config, 1, len(ids), dtype=torch.float32)
+    seq = Sequence(ids, SamplingParams())
+    seq.slot, _ = kv.allocate(None)
+    kv.reserve(seq.slot, len(ids))
+    with torch.inference_mode():
+        return ModelRunner(loaded.model, kv).run([ScheduledSeq(seq, 0, len(ids))], all_logits=True)[-rows:].clone()
+
+
+def sampling() -> list[list[str]]:
+    from wafer.engine.sampler import Sampler
+    from wafer.engine.sequence import SamplingParams, Sequence
+
+    logits = model_logits(64)
+    settings = {"t 0.2, top-p 0.9": dict(temperature=0.2, top_p=0.9),
+                "t 0.7, top-p 0.8, top-k 20": dict(temperature=0.7, top_p=0.8, top_k=20),
+                "t 1.0": dict(temperature=1.0)}
+    rows = []
+    for name, kw in settings.items():
+        for m in (1, 16, 64):
+            seqs = [Sequence([1], SamplingParams(seed=i, **kw)) for i in range(m)]
+            sampler = Sampler(0)
+            fns = {"batched": lambda: sampler(logits[:m].clone(), seqs),
+                   "row by row": lambda: [sampler.sample_row(logits[i], s) for i, s in enumerate(seqs)]}
+            times = {}
+            with torch.inference_mode():
+                for key, fn in fns.items():
+                    for _ in range(3):
+                        fn()
+                    samples = []
+                    for _ in range(15):
+                        t = time.perf_counter()
+                        fn()
+                        samples.append(time.perf_counter() - t)
+                    times[key] = statistics.median(samples) * 1e3
+            rows.append([name, str(m), f"{times['row by row']:.2f}", f"{times['batched']:.2f}",
+                         f"{times['row by row'] / times['batched']:.1f}x"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--skip-pages", action="store_true", help="leave out the decode runs (minutes)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     torch.set_num_threads(THREADS)
     if kernels() is None:
         raise SystemExit(f"wafer's kernels do not run: {status().problem}")
-    print(f"Single-stream decode, default model (q4), {args.tokens} new tokens, greedy, EOS ignored, {THREADS} "
-          f"threads, {args.rounds} runs each, alternating; ratio: median of each run's over the 4 KB run beside it")
-    print(table(["block weights on", "tok/s", "vs 4 KB pages"], pages(args.rounds, args.tokens)))
+    if not args.skip_pages:
+        print(f"Single-stream decode, default model (q4), {args.tokens} new tokens, greedy, EOS ignored, {THREADS} "
+              f"threads, {args.rounds} runs each, alternating; ratio: median of each run's over the 4 KB run beside it")
+        print(table(["block weights on", "tok/s", "vs 4 KB pages"], pages(args.rounds, args.tokens)))
     print(f"\nGreedy pick over rows of {49152} logits, median of 200 calls, {THREADS} threads")
     print(table(["rows", "torch.max us", "argmax_rows us", "speed-up"], argmax(49152)))
+    print(f"\nSampling rows of the default model's logits ({49152} tokens), median of 15 calls, {THREADS} threads")
+    print(table(["settings", "rows", "row by row ms", "batched ms", "speed-up"], sampling()))
 
 
 if __name__ == "__main__":

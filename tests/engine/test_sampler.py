@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from wafer.engine.sampler import Sampler, apply_penalties, filter_logits
+from wafer.engine.sampler import CANDIDATES, Sampler, apply_penalties, filter_logits, nucleus
 from wafer.engine.sequence import SamplingParams, Sequence
 
 
@@ -110,3 +110,50 @@ def test_extreme_penalty_or_temperature_still_samples():
     assert chosen[0] == 7
     assert chosen[1] == int(logits[1].argmax())
     assert 0 <= chosen[2] < 50
+
+
+def test_nucleus_keeps_what_filtering_the_whole_row_keeps():
+    """Over rows shaped like a model's (a few likely tokens, a long tail) and flat ones, at several
+    temperatures: wherever nucleus() answers, its tokens are exactly those filter_logits leaves, and
+    their renormalised probabilities are filter_logits' distribution."""
+    gen = torch.Generator().manual_seed(5)
+    answered = 0
+    for trial in range(300):
+        vocab = 2000
+        logits = torch.randn(vocab, generator=gen) * (4.0 if trial % 3 else 0.3)
+        temperature = [0.2, 0.7, 1.0, 1.5][trial % 4]
+        top_k = [0, 0, 5, 40, 300][trial % 5]
+        top_p = [1.0, 0.9, 0.5, 0.99][trial % 4 if trial % 7 else 0]
+        min_p = [0.0, 0.0, 0.05, 0.001][trial % 4 if trial % 2 else 0]
+        scaled = logits / temperature
+        want = filter_logits(scaled, top_k, top_p, min_p).softmax(-1)
+        probs = scaled.softmax(-1)
+        top, idx = probs.topk(CANDIDATES)
+        n = nucleus(top, top.cumsum(-1), top_k, top_p, min_p)
+        if n is None:
+            continue
+        answered += 1
+        assert set(idx[:n].tolist()) == set(torch.nonzero(want).flatten().tolist()), (trial, n)
+        assert torch.allclose(top[:n] / top[:n].sum(), want[idx[:n]], atol=1e-6)
+    assert answered > 150  # the usual settings are answered among the candidates
+
+
+def test_batched_draws_follow_the_filtered_distribution():
+    """Rows of one batch with their own top-p, top-k and temperature: each token's frequency is
+    what filter_logits' distribution gives it, within four standard deviations."""
+    logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
+    params = [SamplingParams(temperature=1.0, top_p=0.7, seed=1), SamplingParams(temperature=0.8, top_k=3, seed=2),
+              SamplingParams(temperature=1.3, seed=3), SamplingParams(temperature=0)]
+    seqs = [seq(p) for p in params]
+    n = 3000
+    counts = torch.zeros(len(params), 6)
+    sampler = Sampler(0)
+    for _ in range(n):
+        toks, _ = sampler(logits.repeat(len(params), 1), seqs)
+        for r, t in enumerate(toks):
+            counts[r, t] += 1
+    for r, p in enumerate(params[:3]):
+        want = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+        for q, c in zip(want.tolist(), counts[r].tolist()):
+            assert abs(c / n - q) <= 4 * math.sqrt(q * (1 - q) / n) + 1e-9, (r, counts[r], want)
+    assert counts[3, 0] == n  # the greedy row of the batch

@@ -45,6 +45,39 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+# Tokens looked at first when sampling: top-k, min-p and top-p keep far fewer than this at the usual
+# settings, and then the draw is made among them (exactly the distribution the whole row gives, as
+# nucleus() checks); a row whose kept set may reach past them is filtered whole (filter_logits).
+CANDIDATES = 256
+
+
+def nucleus(top: torch.Tensor, cum: torch.Tensor, top_k: int, top_p: float, min_p: float) -> int | None:
+    """How many of a row's most probable tokens top-k, min-p and top-p keep, given `top` (its largest
+    probabilities, in descending order, at temperature) and `cum` (their running sums); None when the
+    kept set may reach past `top`, or when nothing filters the row. The same set as filter_logits."""
+    k = top.numel()
+    if top_k > k:
+        return None  # top-k keeps tokens past the candidates, whose mass top-p would need
+    bounded = 0 < top_k
+    n = top_k if bounded else k
+    if min_p > 0.0:
+        threshold = min_p * float(top[0])
+        m = int((top[:n] >= threshold).sum())
+        if not bounded and m == k:
+            return None  # tokens past the candidates may reach the threshold too
+        n, bounded = m, True
+    if top_p < 1.0:
+        # The mass of what top-k and min-p kept: each token's share is taken within it, as
+        # filter_logits takes the softmax of what they left. Unbounded, that is the whole row's.
+        total = float(cum[n - 1]) if bounded else 1.0
+        if not bounded and float(cum[k - 1]) < top_p:
+            return None  # the nucleus may reach past the candidates
+        before = cum[:n] - top[:n]
+        n = max(1, int((before < top_p * total).sum()))
+        bounded = True
+    return n if bounded else None
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator()
@@ -65,14 +98,59 @@ class Sampler:
                     apply_penalties(logits[i], seq)  # in place: a step's logits are its scratch
             chosen = best(logits).tolist()
         else:
-            chosen = []
-            for i, seq in enumerate(seqs):
-                chosen.append(self.sample_row(logits[i], seq))
+            chosen = self._sample_batch(logits, seqs)
         lps: list[TokenLogprob | None] = []
         for i, seq in enumerate(seqs):
             k = seq.params.logprobs
             lps.append(None if raw_lp is None or k is None else token_logprob(raw_lp[i], chosen[i], k))
         return chosen, lps
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """A token per row, greedy rows by argmax, the others drawn among their most probable tokens
+        (nucleus()); the temperature, softmax and candidate search are one batched operation each,
+        where a row at a time cost a sort of the vocabulary each (70 ms for 16 rows at top_p 0.9)."""
+        if any(s.params.needs_processing for s in seqs):
+            logits = logits.clone()  # the caller retries row by row on a failure: penalties once
+            for i, seq in enumerate(seqs):
+                if seq.params.needs_processing:
+                    apply_penalties(logits[i], seq)
+        chosen = [0] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if greedy:
+            for i, t in zip(greedy, best(logits[greedy]).tolist()):
+                chosen[i] = t
+        drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not drawn:
+            return chosen
+        temps = torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype).unsqueeze(1)
+        # Extreme penalties (repetition_penalty 1e-300 divides a logit to infinity) or temperatures must
+        # not make NaN probabilities, which would fail the whole step: an infinite logit becomes the
+        # largest float, so it wins outright, as it would greedily.
+        scaled = torch.nan_to_num(logits[drawn] / temps, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+        probs = scaled.softmax(-1)
+        top, idx = probs.topk(min(CANDIDATES, probs.shape[-1]), dim=-1)
+        cum = top.cumsum(-1)
+        for r, i in enumerate(drawn):
+            p, gen = seqs[i].params, self.generator_for(seqs[i])
+            n = nucleus(top[r], cum[r], p.top_k, p.top_p, p.min_p)
+            if n is not None:
+                chosen[i] = int(idx[r, torch.multinomial(top[r, :n], 1, generator=gen)])
+            elif p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0:
+                # Nothing filters the row: by its cumulative distribution, the candidates first
+                # (most of the mass at the usual temperatures), the rest of the row only past them.
+                u = float(torch.rand((), generator=gen))
+                if u < float(cum[r, -1]):
+                    j = min(int(torch.searchsorted(cum[r], torch.tensor([u]), right=True)), cum.shape[1] - 1)
+                    chosen[i] = int(idx[r, j])
+                else:
+                    rest = probs[r].clone()
+                    rest[idx[r]] = 0.0
+                    tail = float(rest.sum()) > 0.0  # none when the candidates are the whole row
+                    chosen[i] = int(torch.multinomial(rest, 1, generator=gen)) if tail else int(idx[r, -1])
+            else:
+                dist = filter_logits(scaled[r], p.top_k, p.top_p, p.min_p).softmax(-1)
+                chosen[i] = int(torch.multinomial(dist, 1, generator=gen))
+        return chosen
 
     def processed(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """One row as this sequence samples from it: penalised logits when greedy, else probabilities."""

@@ -129,7 +129,7 @@ def test_nucleus_keeps_what_filtering_the_whole_row_keeps():
         want = filter_logits(scaled, top_k, top_p, min_p).softmax(-1)
         probs = scaled.softmax(-1)
         top, idx = probs.topk(CANDIDATES)
-        n = nucleus(top, top.cumsum(-1), top_k, top_p, min_p)
+        n = nucleus(top.tolist(), top.cumsum(-1).tolist(), top_k, top_p, min_p)
         if n is None:
             continue
         answered += 1

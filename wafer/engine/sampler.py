@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from wafer.engine.sequence import Sequence, TokenLogprob
@@ -51,29 +53,30 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 CANDIDATES = 256
 
 
-def nucleus(top: torch.Tensor, cum: torch.Tensor, top_k: int, top_p: float, min_p: float) -> int | None:
+def nucleus(top: list[float], cum: list[float], top_k: int, top_p: float, min_p: float) -> int | None:
     """How many of a row's most probable tokens top-k, min-p and top-p keep, given `top` (its largest
     probabilities, in descending order, at temperature) and `cum` (their running sums); None when the
-    kept set may reach past `top`, or when nothing filters the row. The same set as filter_logits."""
-    k = top.numel()
+    kept set may reach past `top`, or when nothing filters the row. The same set as filter_logits.
+    Plain lists and bisection: a few small tensor operations per row cost more than the rest."""
+    k = len(top)
     if top_k > k:
         return None  # top-k keeps tokens past the candidates, whose mass top-p would need
     bounded = 0 < top_k
     n = top_k if bounded else k
     if min_p > 0.0:
-        threshold = min_p * float(top[0])
-        m = int((top[:n] >= threshold).sum())
+        threshold = min_p * top[0]
+        m = next((j for j in range(n) if top[j] < threshold), n)  # descending: those before it are kept
         if not bounded and m == k:
             return None  # tokens past the candidates may reach the threshold too
         n, bounded = m, True
     if top_p < 1.0:
         # The mass of what top-k and min-p kept: each token's share is taken within it, as
         # filter_logits takes the softmax of what they left. Unbounded, that is the whole row's.
-        total = float(cum[n - 1]) if bounded else 1.0
-        if not bounded and float(cum[k - 1]) < top_p:
+        total = cum[n - 1] if bounded else 1.0
+        if not bounded and cum[k - 1] < top_p:
             return None  # the nucleus may reach past the candidates
-        before = cum[:n] - top[:n]
-        n = max(1, int((before < top_p * total).sum()))
+        limit = top_p * total
+        n = max(1, next((j for j in range(n) if cum[j] - top[j] >= limit), n))  # the mass before a token rises
         bounded = True
     return n if bounded else None
 
@@ -130,23 +133,24 @@ class Sampler:
         probs = scaled.softmax(-1)
         top, idx = probs.topk(min(CANDIDATES, probs.shape[-1]), dim=-1)
         cum = top.cumsum(-1)
+        top_l, cum_l, idx_l = top.tolist(), cum.tolist(), idx.tolist()
         for r, i in enumerate(drawn):
             p, gen = seqs[i].params, self.generator_for(seqs[i])
-            n = nucleus(top[r], cum[r], p.top_k, p.top_p, p.min_p)
-            if n is not None:
-                chosen[i] = int(idx[r, torch.multinomial(top[r, :n], 1, generator=gen)])
-            elif p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0:
-                # Nothing filters the row: by its cumulative distribution, the candidates first
-                # (most of the mass at the usual temperatures), the rest of the row only past them.
-                u = float(torch.rand((), generator=gen))
-                if u < float(cum[r, -1]):
-                    j = min(int(torch.searchsorted(cum[r], torch.tensor([u]), right=True)), cum.shape[1] - 1)
-                    chosen[i] = int(idx[r, j])
+            n = nucleus(top_l[r], cum_l[r], p.top_k, p.top_p, p.min_p)
+            if n is not None or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0):
+                # By the cumulative distribution: among the kept candidates (renormalised), or, when
+                # nothing filters the row, among the candidates first (most of the mass at the usual
+                # temperatures) and the rest of the row only past them.
+                mass = cum_l[r][n - 1] if n is not None else 1.0
+                u = float(torch.rand((), generator=gen)) * mass
+                j = bisect.bisect_right(cum_l[r], u, hi=n if n is not None else len(cum_l[r]))
+                if n is not None or j < len(cum_l[r]):
+                    chosen[i] = idx_l[r][min(j, (n or len(cum_l[r])) - 1)]
                 else:
                     rest = probs[r].clone()
                     rest[idx[r]] = 0.0
                     tail = float(rest.sum()) > 0.0  # none when the candidates are the whole row
-                    chosen[i] = int(torch.multinomial(rest, 1, generator=gen)) if tail else int(idx[r, -1])
+                    chosen[i] = int(torch.multinomial(rest, 1, generator=gen)) if tail else idx_l[r][-1]
             else:
                 dist = filter_logits(scaled[r], p.top_k, p.top_p, p.min_p).softmax(-1)
                 chosen[i] = int(torch.multinomial(dist, 1, generator=gen))

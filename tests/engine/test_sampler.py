@@ -157,3 +157,16 @@ def test_batched_draws_follow_the_filtered_distribution():
         for q, c in zip(want.tolist(), counts[r].tolist()):
             assert abs(c / n - q) <= 4 * math.sqrt(q * (1 - q) / n) + 1e-9, (r, counts[r], want)
     assert counts[3, 0] == n  # the greedy row of the batch
+
+
+def test_a_row_that_allows_no_token_fails_rather_than_picks_one():
+    logits = torch.full((2, 5), float("-inf"))
+    logits[1, 3] = 0.0
+    seqs = [seq(SamplingParams(temperature=0.7, top_p=0.9, seed=1)), seq(SamplingParams(temperature=0.7, seed=2))]
+    try:
+        Sampler(0)(logits, seqs)
+    except (ValueError, RuntimeError):
+        pass
+    else:
+        raise AssertionError("a row of -inf logits gave a token")
+    assert Sampler(0)(logits[1:], seqs[1:])[0] == [3]

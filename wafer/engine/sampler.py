@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 
 import torch
 
@@ -128,14 +129,17 @@ class Sampler:
         temps = torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype).unsqueeze(1)
         # Extreme penalties (repetition_penalty 1e-300 divides a logit to infinity) or temperatures must
         # not make NaN probabilities, which would fail the whole step: an infinite logit becomes the
-        # largest float, so it wins outright, as it would greedily.
-        scaled = torch.nan_to_num(logits[drawn] / temps, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+        # largest float, so it wins outright, as it would greedily; a masked (-inf) one stays masked.
+        scaled = torch.nan_to_num(logits[drawn] / temps, nan=float("-inf"), neginf=float("-inf"),
+                                  posinf=torch.finfo(logits.dtype).max)
         probs = scaled.softmax(-1)
         top, idx = probs.topk(min(CANDIDATES, probs.shape[-1]), dim=-1)
         cum = top.cumsum(-1)
         top_l, cum_l, idx_l = top.tolist(), cum.tolist(), idx.tolist()
         for r, i in enumerate(drawn):
             p, gen = seqs[i].params, self.generator_for(seqs[i])
+            if not math.isfinite(cum_l[r][-1]):  # every logit -inf: no token may follow
+                raise ValueError(f"row {r} allows no token")
             n = nucleus(top_l[r], cum_l[r], p.top_k, p.top_p, p.min_p)
             if n is not None or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0):
                 # By the cumulative distribution: among the kept candidates (renormalised), or, when
@@ -165,8 +169,10 @@ class Sampler:
             return row
         # Extreme penalties (repetition_penalty 1e-300 divides a logit to infinity) or temperatures must
         # not make NaN probabilities, which would fail the whole step: an infinite logit becomes the
-        # largest float, so it wins outright, as it would greedily.
-        scaled = torch.nan_to_num(row / p.temperature, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+        # largest float, so it wins outright, as it would greedily; a masked (-inf) one stays masked, and
+        # a row with nothing left fails (its sequence alone), where it was once drawn from uniformly.
+        scaled = torch.nan_to_num(row / p.temperature, nan=float("-inf"), neginf=float("-inf"),
+                                  posinf=torch.finfo(row.dtype).max)
         return filter_logits(scaled, p.top_k, p.top_p, p.min_p).softmax(-1)
 
     def sample_row(self, row: torch.Tensor, seq: Sequence) -> int:

@@ -1,12 +1,15 @@
-"""The two Qwen2.5-Coder tiers against an independent reference: greedy output of wafer's float32
-path equals transformers' on the same GGUF for held prompts (each greedy token is transformers'
-argmax after the prompt and the tokens before it, found in one forward pass over the whole text:
-what greedy decoding is, without transformers' per-token overhead on a 1.5B model), and the default compute path's
-perplexity on held text stays within 2% of float32's (as test_quality.py holds for SmolLM2)."""
+"""The two Qwen2.5-Coder tiers against an independent reference, transformers on the same GGUF in
+float32: the default compute path's perplexity on held text stays within 2% of transformers' (as
+test_quality.py holds for SmolLM2 against wafer's own float32), and on terra, wafer's float32 greedy
+output equals transformers' for held prompts: each greedy token is transformers' argmax after the
+prompt and the tokens before it, found in one forward pass over the whole text (what greedy decoding
+is, without transformers' per-token overhead). sol is terra's architecture and loader at three times
+the size; its float32 path is not loaded again here (30 s of a 2-core machine)."""
 
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -30,33 +33,43 @@ def greedy(loaded, prompts: list[list[int]]) -> list[list[int]]:
     return [s.output_ids for s in seqs]
 
 
-# sol is terra's architecture and loader at three times the size: one prompt there suffices.
-@pytest.mark.parametrize("tier,n_prompts", [("terra", 2), ("sol", 1)])
-def test_greedy_equals_transformers_and_default_path_perplexity_within_two_percent(tier, n_prompts):
+def reference_perplexity(hf, ids: list[int]) -> float:
+    """transformers' perplexity over one window, as bench.quality.perplexity counts it."""
+    logits = hf(torch.tensor([ids])).logits[0, :-1]
+    nll = -torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:]).view(-1, 1)).sum()
+    return math.exp(float(nll) / (len(ids) - 1))
+
+
+@pytest.mark.parametrize("tier,n_prompts", [("terra", 2), ("sol", 0)])
+def test_default_path_perplexity_within_two_percent_and_float32_greedy_equals_transformers(tier, n_prompts):
     model = catalog.find(tier)
     path = catalog.installed_path(model)
     if path is None:
         pytest.skip(f"{model.name} is not installed (`wafer models install`, which `make test` runs)")
-    f32 = load_model(str(path), compute="f32")
-    prompts = [f32.tokenizer.encode(f32.chat_template.render([{"role": "user", "content": p}]),
-                                    add_special_tokens=False) for p in PROMPTS[:n_prompts]]
-    ours = greedy(f32, prompts)
-    ids = corpus_ids(f32.tokenizer, PPL_TOKENS)
-    ref_ppl = perplexity(f32, ids, PPL_TOKENS, PPL_TOKENS)
-    del f32
+    fast = load_model(str(path), compute="auto")
+    assert fast.compute in ("q4", "q8")
+    ids = corpus_ids(fast.tokenizer, PPL_TOKENS)
+    ppl = perplexity(fast, ids, PPL_TOKENS, PPL_TOKENS)
+    prompts = [fast.tokenizer.encode(fast.chat_template.render([{"role": "user", "content": p}]),
+                                     add_special_tokens=False) for p in PROMPTS[:n_prompts]]
+    del fast
+    ours = []
+    if prompts:
+        f32 = load_model(str(path), compute="f32")
+        ours = greedy(f32, prompts)
+        del f32
     gc.collect()
 
     hf = hf_from_gguf(path)
-    with torch.inference_mode():
-        for prompt, mine in zip(prompts, ours):
-            assert len(mine) == NEW_TOKENS and len(set(mine)) > 8  # real text, not one token repeated
-            logits = hf(torch.tensor([prompt + mine]), logits_to_keep=NEW_TOKENS + 1).logits[0, :-1]
-            assert mine == logits.argmax(-1).tolist()
-    del hf
-    gc.collect()
-
-    fast = load_model(str(path), compute="auto")
-    assert fast.compute in ("q4", "q8")
-    ppl = perplexity(fast, ids, PPL_TOKENS, PPL_TOKENS)
+    try:
+        with torch.inference_mode():
+            for prompt, mine in zip(prompts, ours):
+                assert len(mine) == NEW_TOKENS and len(set(mine)) > 8  # real text, not one token repeated
+                logits = hf(torch.tensor([prompt + mine]), logits_to_keep=NEW_TOKENS + 1).logits[0, :-1]
+                assert mine == logits.argmax(-1).tolist()
+            ref_ppl = reference_perplexity(hf, ids)
+    finally:
+        del hf
+        gc.collect()
     assert 1 < ref_ppl < 30  # the reference is sane for a code model on English prose
-    assert ppl <= 1.02 * ref_ppl, (fast.compute, ppl, ref_ppl)
+    assert ppl <= 1.02 * ref_ppl, (tier, ppl, ref_ppl)

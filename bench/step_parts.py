@@ -73,6 +73,18 @@ def pages(rounds: int, tokens: int) -> list[list[str]]:
             for k, v in rates.items()]
 
 
+def median_seconds(fn, warm: int, calls: int) -> float:  # type: ignore[no-untyped-def]
+    """The median time of `calls` calls of fn, after `warm` calls."""
+    for _ in range(warm):
+        fn()
+    samples = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
 def argmax(vocab: int) -> list[list[str]]:
     ext = kernels()
     rows = []
@@ -82,14 +94,7 @@ def argmax(vocab: int) -> list[list[str]]:
             raise SystemExit("argmax_rows disagrees with torch.max")
         times = {}
         for name, fn in (("torch.max", lambda x=x: x.max(dim=-1).indices), ("argmax_rows", lambda x=x: ext.argmax_rows(x))):
-            for _ in range(20):
-                fn()
-            samples = []
-            for _ in range(200):
-                t = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t)
-            times[name] = statistics.median(samples) * 1e6
+            times[name] = median_seconds(fn, 20, 200) * 1e6
         rows.append([str(m), f"{times['torch.max']:.1f}", f"{times['argmax_rows']:.1f}",
                      f"{times['torch.max'] / times['argmax_rows']:.2f}x"])
     return rows
@@ -131,14 +136,7 @@ def sampling() -> list[list[str]]:
             times = {}
             with torch.inference_mode():
                 for key, fn in fns.items():
-                    for _ in range(3):
-                        fn()
-                    samples = []
-                    for _ in range(15):
-                        t = time.perf_counter()
-                        fn()
-                        samples.append(time.perf_counter() - t)
-                    times[key] = statistics.median(samples) * 1e3
+                    times[key] = median_seconds(fn, 3, 15) * 1e3
             rows.append([name, str(m), f"{times['row by row']:.2f}", f"{times['batched']:.2f}",
                          f"{times['row by row'] / times['batched']:.1f}x"])
     return rows

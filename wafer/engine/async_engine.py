@@ -99,10 +99,6 @@ class AsyncEngine:
         return dataclasses.replace(snap, waiting=snap.waiting + self._pending)
 
     # --- what a request may ask -----------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
     def validate(self, prompt_ids: list[int]) -> None:
         """Raises ValueError for a prompt the engine cannot take, whatever its load."""
         self.engine.check(prompt_ids)

@@ -11,6 +11,7 @@ import copy
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from wafer.engine import defaults
 from wafer.engine.constraints import Constraints, mask_logits
 from wafer.engine.kv_cache import BLOCK, KV_DTYPES, KVCache, bytes_per_token
+from wafer.engine.pipeline import PipelineExecutor, StageError, StageFailure, StageSpec
 from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import ScheduledSeq, Scheduler
@@ -30,6 +32,7 @@ from wafer.engine.speculative import (
     SpecStats,
     rejection_sample,
 )
+from wafer.models.llama import LlamaModel
 from wafer.models.loader import LoadedModel
 from wafer.models.tokenizer import IncrementalDetokenizer
 
@@ -51,6 +54,14 @@ class EngineConfig:
     prefill_step_seconds: float | None = None
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Stages the model's layers run in (pipeline.py): 1 is this process alone.
+    pipeline_parallel: int = 1
+    # Seconds a step may take through the stages before the pipeline counts as broken.
+    pipeline_timeout: float = 120.0
+    # Where rank 0's store listens for the stages; spawn: this process starts them (else torchrun).
+    pipeline_host: str = "127.0.0.1"
+    pipeline_port: int | None = None
+    pipeline_spawn: bool = True
 
 
 def kv_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
@@ -99,6 +110,8 @@ class EngineSnapshot:
     last_batch_size: int
     num_preemptions: int
     spec: SpecStats
+    fault: str | None = None  # why the engine cannot serve now (a pipeline stage is down), if it cannot
+    pipeline: dict | None = None  # stages, restarts and transfer time, with pipeline stages
 
 
 class LLMEngine:
@@ -121,7 +134,11 @@ class LLMEngine:
                                     self.kv_dtype)
         self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
                                    self.config.prefix_caching)
-        self.runner = ModelRunner(loaded.model, self.kv)
+        self.pipeline: PipelineExecutor | None = None
+        self._in_flight: deque[_Flight] = deque()
+        if self.config.pipeline_parallel > 1:
+            self.pipeline = self._make_pipeline(loaded, num_blocks)
+        self.runner = self.pipeline.runner if self.pipeline is not None else ModelRunner(loaded.model, self.kv)
         self.sampler = Sampler(self.config.seed)
         self.stats = EngineStats()
         self.seqs: dict[int, Sequence] = {}
@@ -144,11 +161,41 @@ class LLMEngine:
                              "differ (speculative decoding needs the same vocabulary)")
         return DraftModelProposer(draft.model, self.kv.num_slots, self.max_model_len, self.config.seed)
 
+    def _make_pipeline(self, loaded: LoadedModel, num_blocks: int) -> PipelineExecutor:
+        """Split the model's layers among the stages, keep the first range here, and start the rest."""
+        from wafer.models.stage import keep_stage, layer_costs, split_layers
+
+        cfg = self.config
+        model = loaded.model
+        if not isinstance(model, LlamaModel) or model.rotary.cos.device.type != "cpu" or loaded.path.is_dir():
+            raise ValueError("pipeline stages run Llama-family GGUF models on the CPU")
+        ranges = split_layers(*layer_costs(model), cfg.pipeline_parallel)
+        # The machine's threads, shared among the stages: each process computes on its share.
+        threads = max(1, torch.get_num_threads() // cfg.pipeline_parallel)
+        spec = StageSpec(str(loaded.path), loaded.compute, ranges, self.kv_dtype, self.kv.num_slots,
+                         self.max_model_len, num_blocks, threads)
+        keep_stage(model, *ranges[0])
+        torch.set_num_threads(threads)
+        log.info("pipeline of %d stages, layers %s", cfg.pipeline_parallel, ranges)
+        return PipelineExecutor(ModelRunner(model, self.kv), spec, cfg.pipeline_parallel, cfg.pipeline_host,
+                                cfg.pipeline_port, cfg.pipeline_spawn, cfg.pipeline_timeout)
+
+    def close(self) -> None:
+        """Stop the pipeline's stages, if any."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+
     def snapshot(self) -> EngineSnapshot:
         kv = self.kv
+        pipe = self.pipeline
+        info = None
+        if pipe is not None:
+            info = {"stages": pipe.world, "layers": pipe.spec.ranges, "restarts": pipe.restarts,
+                    "transfer_seconds": pipe.transfer_seconds}
         return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage, kv.peak_usage,
                               kv.capacity_bytes, kv.prefix_hit_rate, self.stats.last_batch_size,
-                              self.scheduler.num_preemptions, copy.deepcopy(self.stats.spec))
+                              self.scheduler.num_preemptions, copy.deepcopy(self.stats.spec),
+                              pipe.fault if pipe is not None and not pipe.ready else None, info)
 
     # --- requests -------------------------------------------------------------------------
     def check(self, prompt_ids: list[int]) -> None:
@@ -203,6 +250,8 @@ class LLMEngine:
         run, process the outputs. A failure that belongs to one sequence (its sampling parameters,
         its grammar, its forward rows) ends that sequence alone, with finish_reason "error"; the
         others go on."""
+        if self.pipeline is not None:
+            return self._step_pipelined()
         started = time.perf_counter()
         scheduled = self._schedule()
         if not scheduled:
@@ -213,9 +262,74 @@ class LLMEngine:
             return failed
         return self._process(scheduled, logits, failed, time.perf_counter() - started)
 
-    def _schedule(self) -> list[ScheduledSeq]:
+    # --- the step through pipeline stages ---------------------------------------------------------
+    def _step_pipelined(self) -> list[SequenceOutput]:
+        """Fill the pipeline with up to one step per stage, each over other sequences, then process
+        the oldest step's logits. A step that raised on a stage is run again one sequence at a time;
+        a stage that is gone fails every running sequence (their KV is lost with it) and the stages
+        are started again, while the waiting requests wait."""
+        pipe = self.pipeline
+        assert pipe is not None
+        failed: list[SequenceOutput] = []
+        if not pipe.ready:
+            return failed
+        try:
+            pipe.check()
+            while len(self._in_flight) < pipe.depth:
+                busy = {item.seq.seq_id for flight in self._in_flight for item in flight.scheduled}
+                share = -(-max(len(self.scheduler.running) + len(self.scheduler.waiting), 1) // pipe.depth)
+                scheduled = self._schedule(busy, share)
+                if not scheduled:
+                    break
+                self._submit(scheduled, failed)
+            if not self._in_flight:
+                return failed
+            flight = self._in_flight.popleft()
+            try:
+                logits = pipe.result()
+            except StageError as e:
+                self._run_alone(flight.scheduled, e, failed)
+                return failed
+        except StageFailure as e:
+            self._pipeline_failed(e, failed)
+            return failed
+        return self._process(flight.scheduled, logits, failed, time.perf_counter() - flight.started)
+
+    def _submit(self, scheduled: list[ScheduledSeq], failed: list[SequenceOutput]) -> None:
+        try:
+            self.pipeline.submit(self.runner.prepare(scheduled))  # type: ignore[union-attr]
+        except StageError as e:
+            self._run_alone(scheduled, e, failed)
+            return
+        self._in_flight.append(_Flight(scheduled, time.perf_counter()))
+
+    def _run_alone(self, scheduled: list[ScheduledSeq], error: Exception, failed: list[SequenceOutput]) -> None:
+        """A step that raised: each of its sequences goes again on its own (writing its KV again, to
+        the same places); one that fails alone is failed."""
+        live = [item for item in scheduled if not item.seq.finished]
+        if len(scheduled) == 1:
+            for item in live:
+                self._fail(item.seq, error, failed)
+            return
+        log.error("a pipelined step of %d sequences failed (%s); running them one by one", len(scheduled), error)
+        for item in live:
+            self._submit([item], failed)
+
+    def _pipeline_failed(self, error: StageFailure, failed: list[SequenceOutput]) -> None:
+        log.error("%s; failing %d running sequences and restarting the stages", error, len(self.scheduler.running))
+        self._in_flight.clear()
+        for seq in list(self.scheduler.running):
+            self._fail(seq, error, failed)
+        self.kv.forget_prefixes()
+        if self.proposer is not None:
+            for out in failed:
+                self.proposer.release(out.seq_id)
+        self.pipeline.restart()  # type: ignore[union-attr]
+
+    def _schedule(self, busy: frozenset[int] | set[int] = frozenset(), max_seqs: int | None = None
+                  ) -> list[ScheduledSeq]:
         """The sequences of this step, with their drafts to verify where speculation is on."""
-        scheduled = self.scheduler.schedule(self._prefill_cap())
+        scheduled = self.scheduler.schedule(self._prefill_cap(), busy, max_seqs)
         for seq in self.scheduler.preempted:  # recomputed later from its tokens: the draft's KV goes too
             if self.proposer is not None:
                 self.proposer.release(seq.seq_id)
@@ -245,6 +359,10 @@ class LLMEngine:
         verifying: list[tuple[ScheduledSeq, int]] = []
         row = 0
         for item in scheduled:
+            seq = item.seq
+            if seq.finished:  # aborted while its step was in flight (pipeline stages)
+                row += item.rows if item.samples else 0
+                continue
             if item.samples:
                 if item.draft:
                     verifying.append((item, row))
@@ -252,7 +370,6 @@ class LLMEngine:
                     plain.append(item.seq)
                     plain_rows.append(row)
                 row += item.rows
-            seq = item.seq
             seq.num_cached = item.start + item.count - len(item.draft)
             self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
             if item.start < seq.num_prompt:
@@ -481,6 +598,14 @@ class LLMEngine:
         holding the GIL, which would stall every stream under the first request with a schema)."""
         self.generate([[self.tokenizer.bos_id or 0] * 4], SamplingParams(max_tokens=2, temperature=0))
         self.constraints.llt  # noqa: B018 (built on first use)
+
+
+@dataclass
+class _Flight:
+    """A step sent through the pipeline stages, whose logits have not come back yet."""
+
+    scheduled: list[ScheduledSeq]
+    started: float
 
 
 def _merge(outs: list[SequenceOutput]) -> SequenceOutput:

@@ -250,6 +250,16 @@ class KVCache:
                 if self._ref[b] == 0:
                     self._free_blocks.append(b)
 
+    def forget_prefixes(self) -> None:
+        """Stop offering any block as a cached prefix: their contents are gone (a pipeline stage
+        that held some of the layers was restarted). Called with no sequence live."""
+        for b in list(self._key):
+            self._unindex(b)
+        self._free_blocks.extend(self._cached)
+        self._cached.clear()
+        for hashes in self._hashes.values():
+            hashes.clear()
+
     def free(self, slot: int) -> None:
         """Give a slot and its blocks back; its indexed blocks stay findable until their storage is needed."""
         if slot not in self._used:

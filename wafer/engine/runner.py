@@ -1,6 +1,13 @@
-"""Run the model on one scheduled step: flatten the sequences into one batch and get logits."""
+"""Run the model on one scheduled step: flatten the sequences into one batch and get logits.
+
+A step is prepared (the scheduled sequences become a StepBatch of plain tensors: the tokens, their
+positions and cache blocks, the rows whose logits are wanted) and then executed on the model. A
+pipeline stage (pipeline.py) executes the same StepBatch on its own layers.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -17,14 +24,34 @@ from wafer.models.fused_decode import FusedDecode
 from wafer.models.llama import LlamaModel
 
 
+@dataclass
+class StepBatch:
+    """One step's tokens and where they go, in the order they are computed: all a model (or one
+    pipeline stage of it) needs besides its weights and its KV pools."""
+
+    ids: torch.Tensor  # [N] token ids
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N] the KV slot of each token's sequence
+    rows: torch.Tensor | None  # the rows whose logits are wanted (None: every row)
+    tables: torch.Tensor | None  # [slots, max_blocks] each slot's blocks (the fused step's)
+    attention: AttentionBatch | None  # the Python model's view of the same (None on the fused step)
+
+    @property
+    def num_rows(self) -> int:
+        return self.ids.numel() if self.rows is None else self.rows.numel()
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, cuda_graphs: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.windows = set(model.config.windows)
         self.device = kv.layers[0][0].device
+        # A pipeline stage runs its own layers on the pools of those layers.
+        first, _, _ = getattr(model, "stage", (0, 0, 0))
+        self.caches = kv.layers[first : first + len(model.layers)]
         # One C++ call per step where the compute path allows it (q4 and q8 on wafer's kernels).
-        self.fused = FusedDecode.build(model, kv.layers) if self.device.type == "cpu" else None
+        self.fused = FusedDecode.build(model, self.caches) if self.device.type == "cpu" else None
         # On a GPU, decode steps of up to 64 sequences replay CUDA graphs.
         self.graphed = (GraphedDecode(model, kv, min(kv.num_slots, 64))
                         if cuda_graphs and self.device.type == "cuda" else None)
@@ -34,15 +61,21 @@ class ModelRunner:
         or `rows` rows for an item that asks for more (a draft to verify) (with all_logits: every token, in
         batch order: the order of `scheduled` on the fused path; elsewhere single-token items go first so
         they attend together)."""
-        for item in scheduled:  # the scheduler has made room: this only takes the blocks
-            self.kv.reserve(item.seq.slot, item.start + item.count)  # type: ignore[arg-type]
-        if self.fused is not None:
-            return self._run_fused(scheduled, all_logits)
         if (self.graphed is not None and not all_logits and len(scheduled) <= self.graphed.max_batch
                 and all(s.count == 1 and s.samples for s in scheduled)):
+            for item in scheduled:
+                self.kv.reserve(item.seq.slot, item.start + item.count)  # type: ignore[arg-type]
             logits = self.graphed([s.input_ids()[0] for s in scheduled], [s.start for s in scheduled],
                                   [s.seq.slot for s in scheduled])  # type: ignore[misc]
             return logits.cpu()  # sampling and detokenising stay on the host
+        return self.execute(self.prepare(scheduled, all_logits))
+
+    def prepare(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
+        """The step as plain tensors, its KV blocks taken (the scheduler has made room)."""
+        for item in scheduled:
+            self.kv.reserve(item.seq.slot, item.start + item.count)  # type: ignore[arg-type]
+        if self.fused is not None:
+            return self._prepare_fused(scheduled, all_logits)
         singles = [s for s in scheduled if s.count == 1]
         chunks = [s for s in scheduled if s.count > 1]
         order = singles + chunks
@@ -63,8 +96,9 @@ class ModelRunner:
         lengths = [s.start + 1 for s in singles]
         nblk = -(-max(lengths, default=0) // BLOCK)
         pos = torch.tensor(positions, dtype=torch.long)
+        slot_t = torch.tensor(slots, dtype=torch.long)
         batch = AttentionBatch(
-            write_blocks=tables[torch.tensor(slots, dtype=torch.long), pos // BLOCK],
+            write_blocks=tables[slot_t, pos // BLOCK],
             write_offsets=pos % BLOCK,
             positions=pos,
             num_decode=len(singles),
@@ -81,22 +115,14 @@ class ModelRunner:
             ends[id(item)] = offset - 1
         rows = [r for item in scheduled if item.samples
                 for r in range(ends[id(item)] - item.rows + 1, ends[id(item)] + 1)]
-        logits_rows = None if all_logits else torch.tensor(rows, dtype=torch.long, device=self.device)
-        batch = batch.to(self.device)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            batch.positions,
-            batch,
-            self.kv.layers,
-            logits_rows,
-        )
-        return logits.cpu()
+        return StepBatch(torch.tensor(ids, dtype=torch.long), pos, slot_t,
+                         None if all_logits else torch.tensor(rows, dtype=torch.long), None, batch)
 
-    def _run_fused(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        """The step in one C++ call. Every token is computed on its own (its row's activations, its
-        own attention over its slot up to its position, after all the step's keys are written), so
-        a draft verified here gives bitwise the logits that decoding it token by token would, and a
-        prompt's KV entries are the same however it was chunked."""
+    def _prepare_fused(self, scheduled: list[ScheduledSeq], all_logits: bool) -> StepBatch:
+        """The fused step computes every token on its own (its row's activations, its own attention
+        over its slot up to its position, after all the step's keys are written), so a draft verified
+        there gives bitwise the logits that decoding it token by token would, and a prompt's KV
+        entries are the same however it was chunked: tokens stay in the order of `scheduled`."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -107,10 +133,26 @@ class ModelRunner:
             slots.extend([item.seq.slot] * item.count)  # type: ignore[list-item]
             if item.samples:
                 rows.extend(range(len(ids) - item.rows, len(ids)))
-        return self.fused(  # type: ignore[misc]
-            torch.tensor(ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            torch.tensor(slots, dtype=torch.long),
-            self.kv.tables,
-            torch.arange(len(ids)) if all_logits else torch.tensor(rows, dtype=torch.long),
+        return StepBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                         torch.tensor(slots, dtype=torch.long),
+                         torch.arange(len(ids)) if all_logits else torch.tensor(rows, dtype=torch.long),
+                         self.kv.tables, None)
+
+    def execute(self, step: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The step on this runner's model: logits [step.num_rows, vocab], or hidden states [N, hidden]
+        from a pipeline stage without the head; a stage without the embedding starts from `hidden`."""
+        if self.fused is not None:
+            assert step.tables is not None, "a step prepared for the Python model cannot run the fused step"
+            rows = step.rows if step.rows is not None else torch.arange(step.ids.numel())
+            return self.fused(step.ids, step.positions, step.slots, step.tables, rows, hidden)
+        assert step.attention is not None, "a step prepared for the fused step cannot run the Python model"
+        batch = step.attention.to(self.device)
+        logits = self.model(
+            step.ids.to(self.device),
+            batch.positions,
+            batch,
+            self.caches,
+            None if step.rows is None else step.rows.to(self.device),
+            None if hidden is None else hidden.to(self.device),
         )
+        return logits.cpu()

@@ -47,6 +47,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preempted: list[Sequence] = []  # since the engine last looked (it drops their drafts' state)
         self.num_preemptions = 0
+        self._busy: frozenset[int] | set[int] = frozenset()  # this schedule()'s sequences in flight
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,7 +56,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, prefill_cap: int | None = None) -> list[ScheduledSeq]:
+    def schedule(self, prefill_cap: int | None = None, busy: frozenset[int] | set[int] = frozenset(),
+                 max_seqs: int | None = None) -> list[ScheduledSeq]:
         """Decoders first (one token each), then prefill chunks while the budget lasts. With
         `prefill_cap`, prompts get at most that many tokens in a step: the step's length is how long
         every decoder waits for its next token, and how long the server's loop, which steps the
@@ -64,13 +66,21 @@ class Scheduler:
         Running sequences are served in the order they were admitted. When the cache has no block
         for one of them, the sequence admitted last is preempted: its blocks go back (its full ones
         stay findable as a cached prefix) and it waits at the head of the queue to be computed
-        again, as vLLM does."""
+        again, as vLLM does.
+
+        With pipeline stages several steps are in flight: the sequences of those (`busy`, by id) are
+        left out, neither scheduled nor preempted, and a step takes at most `max_seqs` sequences so
+        that the running ones are shared among the steps."""
         out: list[ScheduledSeq] = []
+        self._busy = busy
+        room = max_seqs if max_seqs is not None else len(self.running) + len(self.waiting)
         budget = self.max_batched_tokens
         prefilling: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:  # preempted for an earlier sequence in this loop
+            if seq.status is not Status.RUNNING or seq.seq_id in busy:  # (or preempted earlier in this loop)
                 continue
+            if len(out) + len(prefilling) >= room:
+                break
             if len(seq.tokens) - seq.num_cached == 1:
                 if self._make_room(seq, seq.num_cached + 1, out):
                     self.kv.reserve(seq.slot, seq.num_cached + 1)  # type: ignore[arg-type]
@@ -90,7 +100,8 @@ class Scheduler:
                 self.kv.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
                 out.append(ScheduledSeq(seq, seq.num_cached, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and self.kv.num_free:
+        while (self.waiting and budget > 0 and len(out) < room and len(self.running) < self.max_running
+               and self.kv.num_free):
             seq = self.waiting[0]
             slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
             n = min(len(seq.tokens) - reused, budget, self.kv.room(slot, len(seq.tokens)) - reused)
@@ -119,7 +130,7 @@ class Scheduler:
                 if len(self.running) > 1:
                     self.preempt(seq)
                 return False
-            if any(item.seq is victim for item in scheduled):
+            if any(item.seq is victim for item in scheduled) or victim.seq_id in self._busy:
                 return False
             self.preempt(victim)
         return True

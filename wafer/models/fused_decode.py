@@ -43,7 +43,8 @@ class FusedDecode:
         ext = ext or kernels()
         if ext is None or not isinstance(model, LlamaModel):  # the C++ step is the Llama block (Gemma 3 is not)
             return None
-        head = _linear(model.lm_head)
+        # A pipeline stage before the last has no head: the step returns its hidden states.
+        head = _linear(model.lm_head) if model.lm_head is not None else []
         flat: list[torch.Tensor] = []
         out_features: list[int] = []
         for layer, (k_cache, v_cache) in zip(model.layers, caches):
@@ -54,14 +55,17 @@ class FusedDecode:
             flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                      *[t for p in parts for t in p], k_cache, v_cache]  # type: ignore[union-attr]
             out_features += [mod.out_features for mod in mods]
-        return cls(model, ext, flat + head, out_features + [model.lm_head.out_features])
+        if model.lm_head is not None:
+            out_features.append(model.lm_head.out_features)
+        return cls(model, ext, flat + head, out_features)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                 tables: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(rows), vocab] for those of M tokens, each at its own (slot, position); the
-        caches are pools of blocks, and `tables` [slots, max_blocks] lists each slot's blocks."""
+        caches are pools of blocks, and `tables` [slots, max_blocks] lists each slot's blocks. A
+        pipeline stage goes on from `hidden`, and without a head returns hidden states [M, hidden]."""
         rotary = self.model.rotary
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, tables, self.tensors, self.out_features,
                                     self.model.norm.weight.detach(), *self.args, rows)

@@ -148,13 +148,18 @@ class LlamaModel(nn.Module):
         batch: AttentionBatch,
         caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [len(logits_indices) or N, vocab] for a flat batch of N tokens."""
-        h = self.embed_tokens(input_ids)
+        """Logits [len(logits_indices) or N, vocab] for a flat batch of N tokens. A pipeline stage's
+        model (stage.py) holds some of the layers: without the embedding it goes on from the previous
+        stage's `hidden` states, and without the head it returns its own [N, hidden]."""
+        h = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rotary.tables(positions)
         for layer, cache in zip(self.layers, caches):
             h = h + layer.self_attn(layer.input_layernorm(h), rope, cache, batch)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if self.lm_head is None:
+            return h
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(self.norm(h)).float()

@@ -222,7 +222,9 @@ struct Dims {
 
 // x [M, hidden]: the tokens' embeddings, at positions pos[M] of slots slot[M]; cos, sin
 // [max_pos, head_dim]. Writes logits [n_out, head.out] for the rows out[0..n_out) (a prompt chunk
-// samples from its last token only, and the head is a fifth of a small model's weights).
+// samples from its last token only, and the head is a fifth of a small model's weights). Without a
+// head (head.packed null: a pipeline stage before the last) it writes every row's hidden state
+// [M, hidden] instead, unnormed, for the next stage to go on from.
 template <class T>
 inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
                           const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
@@ -296,6 +298,10 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
         silu_mul(gu.data(), act.data(), M, inter);
         L.down(act.data(), M, tmp.data());
         add_into_h(tmp.data());
+    }
+    if (head.packed == nullptr) {
+        std::copy(h.begin(), h.end(), logits);
+        return;
     }
     for (int64_t i = 0; i < n_out; ++i)
         rms_norm(h.data() + out[i] * hidden, final_norm, xn.data() + i * hidden, 1, hidden, dims.eps);

@@ -43,14 +43,17 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 // head_dim] (float32 or bfloat16; int8 rows carry 4 more bytes, their float32 scale): 12 tensors a layer; after the last layer the output head's 2. out_features: each
 // linear's output size, in the same order. norm: the final norm's weight. Returns logits
 // [len(logit_rows), vocab] for those rows of x (none when it is empty: a prompt chunk before the last).
+// Without the head's 2 tensors (a pipeline stage before the last) it returns every row's hidden
+// state [M, hidden] after the layers, for the next stage.
 torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
                           torch::Tensor sin, torch::Tensor tables, std::vector<torch::Tensor> layers,
                           std::vector<int64_t> out_features,
                           torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
                           int64_t window, torch::Tensor logit_rows) {
-    TORCH_CHECK(layers.size() % 12 == 2, "12 tensors per layer and 2 for the head");
+    TORCH_CHECK(layers.size() % 12 == 2 || layers.size() % 12 == 0, "12 tensors per layer and 2 for the head, if any");
+    const bool has_head = layers.size() % 12 == 2;
     const int64_t n_layers = static_cast<int64_t>(layers.size()) / 12;
-    TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + 1, "an output size per linear");
+    TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + (has_head ? 1 : 0), "an output size per linear");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, hidden] float32");
     TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
                 positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
@@ -101,12 +104,13 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                       lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
                       kc.data_ptr(), vc.data_ptr()});
     }
-    const wafer::Linear head = lin(12 * n_layers, hidden, out_features.back());
+    const wafer::Linear head = has_head ? lin(12 * n_layers, hidden, out_features.back()) : wafer::Linear{nullptr, 8, nullptr, hidden, hidden};
     TORCH_CHECK(logit_rows.scalar_type() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows: [R] int64");
     logit_rows = logit_rows.contiguous();
     const int64_t* rows = logit_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < logit_rows.numel(); ++i) TORCH_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "logit_rows: a row of x");
-    auto logits = torch::empty({logit_rows.numel(), head.out}, torch::kFloat32);
+    auto logits = has_head ? torch::empty({logit_rows.numel(), head.out}, torch::kFloat32)
+                           : torch::empty({x.size(0), hidden}, torch::kFloat32);
     const wafer::Dims dims{hidden, n_heads, n_kv, head_dim, window, static_cast<float>(eps), kv_type};
     wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                        wafer::Tables{tables.data_ptr<int64_t>(), tables.size(1), block, n_blocks},

@@ -175,6 +175,7 @@ class LLMEngine:
         spec = StageSpec(str(loaded.path), loaded.compute, ranges, self.kv_dtype, self.kv.num_slots,
                          self.max_model_len, num_blocks, threads)
         keep_stage(model, *ranges[0])
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         log.info("pipeline of %d stages, layers %s", cfg.pipeline_parallel, ranges)
         return PipelineExecutor(ModelRunner(model, self.kv), spec, cfg.pipeline_parallel, cfg.pipeline_host,
@@ -184,6 +185,7 @@ class LLMEngine:
         """Stop the pipeline's stages, if any."""
         if self.pipeline is not None:
             self.pipeline.close()
+            torch.set_num_threads(self._threads_before)
 
     def snapshot(self) -> EngineSnapshot:
         kv = self.kv

@@ -1,0 +1,171 @@
+"""Pipeline stages (engine/pipeline.py): greedy outputs through 2 and 3 stage processes equal one
+process's, token for token, on the float32 path and the default (fused q8) path, for concurrent
+requests of mixed lengths, with prefix caching, speculation and aborts; a stage killed mid-step
+fails the running requests and the stages come back."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import time
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.sequence import SamplingParams
+from wafer.engine.speculative import SpeculativeConfig
+from wafer.models.loader import load_model
+from wafer.models.stage import split_layers
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tests.tiny import hf_to_gguf, make_hf_model
+
+    d = make_hf_model(tmp_path_factory.mktemp("pp-hf"), "qwen2", num_hidden_layers=6, vocab_size=49152)
+    return hf_to_gguf(d, tmp_path_factory.mktemp("pp") / "tiny.gguf", Q.Q8_0)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49000) for _ in range(40)]
+    out = []
+    for i in range(n):
+        length = [6, 90, 23, 150, 3, 47, 210, 12][i % 8]
+        own = [rng.randrange(3, 49000) for _ in range(length)]
+        out.append(shared + own if i % 3 == 0 else own)  # some share a prefix of 40 tokens
+    return out
+
+
+def _engine(path, compute: str, pp: int, **kw) -> LLMEngine:
+    cfg = EngineConfig(pipeline_parallel=pp, max_running=8, max_batched_tokens=64, pipeline_timeout=60, **kw)
+    return LLMEngine(load_model(str(path), compute=compute), cfg)
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], abort_after: int | None = None):
+    """Greedy outputs of each prompt, run together; with abort_after, prompt 1 is aborted once that
+    many steps have gone (while its step may be in flight)."""
+    seqs = [engine.add(p, SamplingParams(max_tokens=12 + 5 * (i % 4), temperature=0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for steps in itertools.count():
+        if not engine.has_work:
+            break
+        if steps == abort_after:
+            engine.abort(seqs[1].seq_id)
+        engine.step()
+    while engine._in_flight:  # what is still in flight for an aborted sequence drains
+        engine.step()
+    return [s.tokens[s.num_prompt:] for s in seqs], seqs
+
+
+def test_split_layers_balances_contiguous_ranges():
+    rng = random.Random(1)
+    for _ in range(200):
+        n, stages = rng.randrange(1, 9), rng.randrange(1, 5)
+        costs, head = [rng.randrange(1, 10) for _ in range(n)], rng.randrange(0, 30)
+        if stages > n:
+            with pytest.raises(ValueError):
+                split_layers(costs, head, stages)
+            continue
+        ranges = split_layers(costs, head, stages)
+        assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] and ranges[-1][1] == n
+        assert all(a < b for a, b in ranges)
+
+        def worst(rs):
+            return max(sum(costs[a:b]) + (head if b == n else 0) for a, b in rs)
+
+        best = min(worst(list(zip((0,) + cuts, cuts + (n,))))
+                   for cuts in itertools.combinations(range(1, n), stages - 1))
+        assert worst(ranges) == best
+
+
+@pytest.mark.parametrize("compute", ["f32", "auto"])
+def test_pipeline_outputs_equal_one_process(tiny_gguf, compute):
+    prompts = _prompts(8)
+    single = _engine(tiny_gguf, compute, 1)
+    want, _ = _generate(single, prompts)
+    again, _ = _generate(single, prompts[:3])  # the same prompts again: served from the prefix cache
+    assert again == want[:3]
+    for pp in (2, 3):
+        engine = _engine(tiny_gguf, compute, pp)
+        pids = engine.pipeline.stage_pids()
+        try:
+            assert engine.pipeline is not None and len(engine.pipeline.procs) == pp - 1
+            got, _ = _generate(engine, prompts)
+            assert got == want, f"{pp} stages on {compute}"
+            hits = engine.kv.prefix_hit_tokens
+            got, seqs = _generate(engine, prompts[:3])
+            assert got == want[:3]
+            assert engine.kv.prefix_hit_tokens > hits and all(s.num_cached_prompt > 0 for s in seqs)
+            assert engine.stats.max_batch_size < len(prompts)  # the batch was shared among steps in flight
+        finally:
+            engine.close()
+        assert not any(_alive(pid) for pid in pids)
+
+
+def test_pipeline_speculation_and_abort():
+    """On SmolLM2 (a random model would not repeat its prompt, so no draft would be accepted)."""
+    from wafer.models.loader import default_model_path
+
+    tok = load_model(compute="auto").tokenizer
+    text = "one two three four five six seven eight nine ten. " * 4
+    prompts = [tok.encode(text), tok.encode("The capital of France is"), tok.encode("a b c d e f g a b c d e f g a b c")]
+    spec = SpeculativeConfig(method="ngram", num_tokens=3)
+    single = _engine(default_model_path(), "auto", 1, speculative=spec)
+    want, _ = _generate(single, prompts)
+    engine = _engine(default_model_path(), "auto", 2, speculative=spec)
+    try:
+        got, _ = _generate(engine, prompts)
+        assert got == want
+        assert engine.stats.spec.draft_tokens > 0 and engine.stats.spec.accepted_tokens > 0
+        got, seqs = _generate(engine, prompts, abort_after=3)
+        assert seqs[1].finish_reason == "abort"
+        assert got[0] == want[0] and got[2] == want[2]
+        assert engine.kv.usage == 0 and not engine.scheduler.running
+    finally:
+        engine.close()
+
+
+def test_killed_stage_fails_running_requests_then_comes_back(tiny_gguf):
+    prompts = _prompts(4)
+    single = _engine(tiny_gguf, "auto", 1)
+    want, _ = _generate(single, prompts)
+    engine = _engine(tiny_gguf, "auto", 3)
+    pipe = engine.pipeline
+    old = pipe.stage_pids()
+    try:
+        seqs = [engine.add(p, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)) for p in prompts]
+        for _ in range(4):
+            engine.step()
+        os.kill(old[0], signal.SIGKILL)  # the middle stage
+        outputs, deadline = [], time.monotonic() + 30
+        while not all(s.finished for s in seqs):
+            assert time.monotonic() < deadline, "running sequences did not fail"
+            outputs += engine.step()
+        assert {o.seq_id for o in outputs if o.error} == {s.seq_id for s in seqs}
+        assert all(o.error.startswith("StageFailure") for o in outputs if o.error)
+        snap = engine.snapshot()
+        assert snap.fault is not None and "stage" in snap.fault
+        deadline = time.monotonic() + 60
+        while not pipe.ready:
+            assert time.monotonic() < deadline, "the stages did not come back"
+            time.sleep(0.1)
+        assert engine.snapshot().fault is None and pipe.restarts == 1
+        assert all(not _alive(pid) for pid in old)  # the survivor of the old group was stopped too
+        got, _ = _generate(engine, prompts)
+        assert got == want
+    finally:
+        engine.close()
+    assert all(not _alive(pid) for pid in pipe.stage_pids() + old)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone, only not yet reaped
+        return f.read().split()[2] != "Z"

@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache budget per model, e.g. 2GiB or 512MB (default: a quarter of the machine's memory, "
                         "or less when every running sequence fits at its whole context). Past it, new requests "
                         "wait and the latest running one is preempted and recomputed later")
+    s.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+                   help="run each model's layers in N stage processes (torch.distributed, gloo), this one the "
+                        "first; under torchrun the stages are its other ranks (see the README)")
     s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
     _quant_arg(s)
     s.add_argument("--config", default=None, help="TOML file with models, tiers, aliases, upstreams and routing")

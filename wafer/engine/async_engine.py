@@ -47,6 +47,10 @@ class EngineFailure(Exception):
     """A step failed inside the engine; the request cannot go on."""
 
 
+class EngineUnavailable(EngineFailure):
+    """A part of the engine is down (a pipeline stage): the request failed, and may be retried later."""
+
+
 @dataclass
 class EngineRequest:
     rid: int
@@ -200,13 +204,20 @@ class AsyncEngine:
             if out.error is not None:  # this request alone failed in the step
                 self.failures += 1
                 log.error("request %s failed in the engine: %s", req.tag, out.error)
-                self._deliver(req, EngineFailure(f"internal engine error ({out.error.partition(':')[0]})"))
+                if out.error.startswith("StageFailure"):
+                    self._deliver(req, EngineUnavailable(out.error.partition(": ")[2]))
+                else:
+                    self._deliver(req, EngineFailure(f"internal engine error ({out.error.partition(':')[0]})"))
             else:
                 self._deliver(req, out)
             if out.finished:
                 self._by_seq.pop(out.seq_id, None)
                 self._requests.pop(req.rid, None)
         return True
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (pipeline stages)."""
+        self.engine.close()
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request, waiting or running, and admit no more: nothing steps this engine now."""

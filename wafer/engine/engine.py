@@ -193,7 +193,7 @@ class LLMEngine:
         info = None
         if pipe is not None:
             info = {"stages": pipe.world, "layers": pipe.spec.ranges, "restarts": pipe.restarts,
-                    "transfer_seconds": pipe.transfer_seconds}
+                    "transfer_seconds": round(pipe.transfer_seconds, 3), "stage_pids": pipe.stage_pids()}
         return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage, kv.peak_usage,
                               kv.capacity_bytes, kv.prefix_hit_rate, self.stats.last_batch_size,
                               self.scheduler.num_preemptions, copy.deepcopy(self.stats.spec),
@@ -273,7 +273,8 @@ class LLMEngine:
         pipe = self.pipeline
         assert pipe is not None
         failed: list[SequenceOutput] = []
-        if not pipe.ready:
+        if not pipe.ready:  # the stages are starting again: the waiting requests wait
+            time.sleep(0.01)
             return failed
         try:
             pipe.check()

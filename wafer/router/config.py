@@ -67,7 +67,8 @@ from wafer.errors import WaferError
 TIERS = ("sol", "terra", "luna")
 ROUTER_NAMES = ("auto", "gpt-5.6")
 TIER_ALIASES = {"gpt-5.6-sol": "sol", "gpt-5.6-terra": "terra", "gpt-5.6-luna": "luna"}
-ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens", "kv_cache_memory")
+ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens", "kv_cache_memory",
+                  "pipeline_parallel")
 # Tokens of reasoning per effort level before the answer; `ultra` reasons as `max` does. Each level
 # has about four times the budget of the one below it, from a short plan to a long derivation.
 REASONING_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096, "xhigh": 8192,

@@ -329,13 +329,16 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         ok = all(m.engine.accepting for m in served_list)
-        return JSONResponse({"status": "ok" if ok else "draining",
+        faults = [f"{m.names[0]}: {fault}" for m in served_list if (fault := m.engine.stats().fault)]
+        pipelines = {m.names[0]: info for m in served_list if (info := m.engine.stats().pipeline)}
+        return JSONResponse({"status": ("ok" if not faults else "fault") if ok else "draining",
+                             "faults": faults, **({"pipelines": pipelines} if pipelines else {}),
                              "running": sum(m.engine.num_running for m in served_list),
                              "waiting": sum(m.engine.num_waiting for m in served_list),
                              "models": [{"name": m.names[0], **m.compute} for m in served_list],
                              "warnings": [f"{m.names[0]}: {m.compute['warning']}" for m in served_list
                                           if m.compute.get("warning")]},
-                            status_code=200 if ok else 503)
+                            status_code=200 if ok and not faults else 503)
 
     monitoring = [Depends(authorize)] if protect_metrics else []
 

@@ -20,6 +20,7 @@ from wafer.engine.async_engine import (
     EngineOverloaded,
     EngineRequest,
     EngineStopped,
+    EngineUnavailable,
 )
 from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
 from wafer.models.chat_template import ChatTemplate
@@ -36,6 +37,12 @@ log = logging.getLogger("wafer.server")
 def _shutting_down(e: Exception) -> APIError:
     return APIError(503, f"The server is shutting down ({e}).", "server_error", None, "unavailable",
                     {"Retry-After": "5"})
+
+
+def _unavailable(e: Exception, rid: str) -> APIError:
+    log.error("request %s failed: %s", rid, e)
+    return APIError(503, f"The model is unavailable: {e}; it is being restarted, retry shortly (request id {rid}).",
+                    "server_error", None, "stage_failure", {"Retry-After": "5"})
 _PING = object()  # put in a request's queue when ping_interval passes without an output
 TEXT_HOLE = "\x00wafer-text\x00"  # stands for a chunk's text in a pre-rendered event
 
@@ -305,6 +312,8 @@ class GenerationHandler:
         return choices if await unless_disconnect(consume(), request, self._aborter(streams)) else None
 
     def _fold(self, c: _Choice, out: Any, rid: str) -> None:
+        if isinstance(out, EngineUnavailable):
+            raise _unavailable(out, rid)
         if isinstance(out, EngineFailure):
             log.error("request %s failed in the engine: %s", rid, out)
             raise server_error(f"The engine failed while processing the request (request id {rid}).")
@@ -346,6 +355,8 @@ class GenerationHandler:
             return sse(e.body())
         if isinstance(e, EngineStopped):
             return sse(_shutting_down(e).body())
+        if isinstance(e, EngineUnavailable):
+            return sse(_unavailable(e, rid).body())
         if isinstance(e, EngineFailure):
             log.error("request %s failed in the engine mid-stream: %s", rid, e)
             return sse(server_error(f"The engine failed while processing the request (request id {rid}).").body())

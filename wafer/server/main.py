@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import logging
 import os
+from typing import Any
 import signal
 import sys
 import time
@@ -47,14 +48,16 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int = defau
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
                  prefix_caching: bool = True, sampling: dict[str, float] | None = None,
                  prefill_step_seconds: float | None = defaults.PREFILL_STEP_SECONDS,
-                 kv_cache_memory: int | None = None, kv_cache_dtype: str = "auto") -> ServedModel:
+                 kv_cache_memory: int | None = None, kv_cache_dtype: str = "auto",
+                 pipeline: dict[str, Any] | None = None) -> ServedModel:
     """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
-    over the model's own."""
+    over the model's own. `pipeline`: EngineConfig's pipeline_* settings (stages of the model)."""
     engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
                                             max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
                                             speculative=speculative or SpeculativeConfig(),
                                             prefill_step_seconds=prefill_step_seconds,
-                                            kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype),
+                                            kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                                            **(pipeline or {})),
                        draft=draft)
     engine.warmup()
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
@@ -232,11 +235,25 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
                                        o.get("max_batched_tokens", defaults.MAX_BATCHED_TOKENS),
                                        speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
                                        sampling=m.sampling, kv_cache_memory=o.get("kv_cache_memory"),
-                                       kv_cache_dtype=m.kv_cache_dtype))
+                                       kv_cache_dtype=m.kv_cache_dtype, pipeline=pipeline_settings(o)))
             served[-1].reasoning = dict(cfg.reasoning)
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
     return served
+
+
+def pipeline_settings(options: dict[str, int], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """EngineConfig's pipeline settings for a model. Under torchrun (RANK and WORLD_SIZE set) this
+    process is rank 0 of WORLD_SIZE stages that torchrun started, whose store listens on
+    MASTER_PORT + 1 of MASTER_ADDR; otherwise it starts its `pipeline_parallel` - 1 stages itself."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    if "RANK" in env and world > 1:
+        if int(env["RANK"]) != 0:
+            raise ConfigError("only rank 0 serves HTTP: start the other ranks with `python -m wafer.engine.pipeline`")
+        return {"pipeline_parallel": world, "pipeline_spawn": False, "pipeline_host": env.get("MASTER_ADDR", "127.0.0.1"),
+                "pipeline_port": int(env.get("MASTER_PORT", "29500")) + 1}
+    return {"pipeline_parallel": options.get("pipeline_parallel", 1)}
 
 
 def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None = None) -> list[str]:
@@ -259,7 +276,7 @@ def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
-               "max_batched_tokens": args.max_batched_tokens}
+               "max_batched_tokens": args.max_batched_tokens, "pipeline_parallel": args.pipeline_parallel}
     if args.kv_cache_memory is not None:
         try:
             options["kv_cache_memory"] = parse_size(args.kv_cache_memory)
@@ -293,5 +310,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"  {m.names[0]}: compute path {m.compute['path']} on {m.compute['kernels']}", file=sys.stderr, flush=True)
         if m.compute["warning"]:
             print(f"  WARNING {m.names[0]}: {m.compute['warning']}", file=sys.stderr, flush=True)
-    server.run()  # on this thread, which loaded the models and so owns their compute threads
+    try:
+        server.run()  # on this thread, which loaded the models and so owns their compute threads
+    finally:
+        for m in served:
+            m.engine.close()  # pipeline stages stop with the server
     return 0

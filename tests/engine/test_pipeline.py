@@ -157,6 +157,25 @@ def test_killed_stage_fails_running_requests_then_comes_back(tiny_gguf):
         assert all(not _alive(pid) for pid in old)  # the survivor of the old group was stopped too
         got, _ = _generate(engine, prompts)
         assert got == want
+        # A stage that hangs (stopped) is caught by the timeout, and replaced too.
+        pipe.timeout = 3
+        hung = pipe.stage_pids()[1]
+        seq = engine.add(prompts[0], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        engine.step()
+        os.kill(hung, signal.SIGSTOP)
+        started, outputs = time.monotonic(), []
+        while not seq.finished:
+            assert time.monotonic() - started < 30, "the hung stage was not noticed"
+            outputs += engine.step()
+        assert [o.seq_id for o in outputs if o.error] == [seq.seq_id]
+        assert pipe.restarts == 2 and not _alive(hung)
+        deadline = time.monotonic() + 60
+        while not pipe.ready:
+            assert time.monotonic() < deadline, "the stages did not come back"
+            time.sleep(0.1)
+        got, _ = _generate(engine, prompts[:1])
+        assert got == want[:1]
+        old += [hung]
     finally:
         engine.close()
     assert all(not _alive(pid) for pid in pipe.stage_pids() + old)

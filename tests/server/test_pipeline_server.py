@@ -109,3 +109,88 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+CLIENT = """
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1], api_key="x", max_retries=0)
+r = c.chat.completions.create(model=sys.argv[2], temperature=0, max_tokens=40,
+                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+print(json.dumps({"content": r.choices[0].message.content}))
+"""
+
+
+def _netns(name: str) -> bool:
+    return subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+
+
+def test_two_nodes_under_torchrun(smollm, client, tmp_path):
+    """Two torchrun launches with --nnodes 2, each in a network namespace of its own joined by a veth
+    pair (loopback where namespaces cannot be made): rank 0 serves HTTP, rank 1 is the second stage."""
+    tag = f"{os.getpid() % 10000}"
+    ns = [f"wafer-a{tag}", f"wafer-b{tag}"]
+    isolated = _netns(ns[0]) and _netns(ns[1])
+    if isolated:
+        for cmd in (["ip", "link", "add", f"wv0{tag}", "netns", ns[0], "type", "veth", "peer", "name", f"wv1{tag}",
+                     "netns", ns[1]],
+                    ["ip", "-n", ns[0], "addr", "add", "10.77.0.1/24", "dev", f"wv0{tag}"],
+                    ["ip", "-n", ns[1], "addr", "add", "10.77.0.2/24", "dev", f"wv1{tag}"],
+                    ["ip", "-n", ns[0], "link", "set", f"wv0{tag}", "up"], ["ip", "-n", ns[1], "link", "set", f"wv1{tag}", "up"],
+                    ["ip", "-n", ns[0], "link", "set", "lo", "up"], ["ip", "-n", ns[1], "link", "set", "lo", "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        master = "10.77.0.1"
+        prefix = [["ip", "netns", "exec", ns[0]], ["ip", "netns", "exec", ns[1]]]
+        ifnames = [f"wv0{tag}", f"wv1{tag}"]
+    else:
+        for name in ns:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        master, prefix, ifnames = "127.0.0.1", [[], []], ["lo", "lo"]
+    port, http = free_port(), free_port()
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", master, "--master-port", str(port)]
+    launches = [[*torchrun, "--node-rank", "0", "-m", "wafer.cli", "serve", str(smollm.path), "--served-model-name",
+                 MODEL, "--host", master, "--port", str(http)],
+                [*torchrun, "--node-rank", "1", "-m", "wafer.engine.pipeline"]]
+    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]
+    procs = [subprocess.Popen([*prefix[i], "env", f"GLOO_SOCKET_IFNAME={ifnames[i]}", *launches[i]],
+                              cwd=Path(__file__).resolve().parents[2], stdout=logs[i], stderr=subprocess.STDOUT,
+                              start_new_session=True) for i in range(2)]
+    base = f"http://{master}:{http}"
+    try:
+        ask = [*prefix[0], sys.executable, "-c", CLIENT, base + "/v1", MODEL]
+        deadline, answer = time.monotonic() + 240, None
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            health = subprocess.run([*prefix[0], sys.executable, "-c",
+                                     f"import httpx; print(httpx.get('{base}/health', timeout=2).status_code)"],
+                                    capture_output=True, text=True)
+            if health.stdout.strip() == "200":
+                answer = subprocess.run(ask, capture_output=True, text=True, timeout=120)
+                break
+            time.sleep(1)
+        assert answer is not None and answer.returncode == 0, \
+            (answer.stderr if answer else "") + "".join((tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2))
+        import json
+
+        want = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40,
+                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert json.loads(answer.stdout)["content"] == want.choices[0].message.content
+        if isolated:  # the activations went over the veth pair: a step's hidden states are KBs each way
+            stats = subprocess.run(["ip", "-n", ns[0], "-j", "-s", "link", "show", ifnames[0]], capture_output=True,
+                                   text=True, check=True)
+            counters = json.loads(stats.stdout)[0]["stats64"]
+            assert counters["tx"]["bytes"] > 100_000 and counters["rx"]["bytes"] > 100_000, counters
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        for f in logs:
+            f.close()
+        if isolated:
+            for name in ns:
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -295,6 +295,9 @@ def serve(args: argparse.Namespace) -> int:
                              settings)
     for note in notes:
         print(f"  WARNING {note}", file=sys.stderr, flush=True)
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1 and len(cfg.models) != 1:
+        raise ConfigError(f"under torchrun the ranks are one model's pipeline stages: serve one model (give its path), "
+                          f"not {len(cfg.models)}")
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
     app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics,

@@ -4,7 +4,8 @@
     path = "bundled"            # or a GGUF file / Hugging Face directory
     quant = "q4"                # compute path: auto (default), f32, bf16, int8, q8 or q4 (see quant.py)
     device = "cpu"              # auto (default: cuda when there is one), cpu or cuda
-    max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens
+    max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens,
+    pipeline_parallel = 1       # kv_cache_memory, pipeline_parallel (stage processes of the model)
     speculative = "ngram"       # off (default), ngram, or draft:NAME (a model of this file, a tier, or a path)
     num_speculative_tokens = 5
     prefix_caching = true

@@ -179,6 +179,28 @@ def test_two_nodes_under_torchrun(smollm, client, tmp_path):
                                    text=True, check=True)
             counters = json.loads(stats.stdout)[0]["stats64"]
             assert counters["tx"]["bytes"] > 100_000 and counters["rx"]["bytes"] > 100_000, counters
+        # The second machine's stage dies: the server stays up and says so, and a stage started again
+        # by hand (the environment torchrun gave the first) is taken in.
+        for pid in _descendants(procs[1].pid):  # torchrun's agent and the rank it started
+            os.kill(pid, signal.SIGKILL)
+        procs[1].wait(10)
+        assert json.loads(subprocess.run(ask, capture_output=True, text=True, timeout=120).stdout or "{}") == {}
+        health = subprocess.run([*prefix[0], sys.executable, "-c",
+                                 f"import httpx; r = httpx.get('{base}/health', timeout=2); print(r.status_code, r.json()['faults'])"],
+                                capture_output=True, text=True)
+        assert health.stdout.startswith("503") and "stage" in health.stdout, health.stdout + health.stderr
+        env = [f"RANK=1", "WORLD_SIZE=2", f"MASTER_ADDR={master}", f"MASTER_PORT={port}", f"GLOO_SOCKET_IFNAME={ifnames[1]}"]
+        procs.append(subprocess.Popen([*prefix[1], "env", *env, sys.executable, "-m", "wafer.engine.pipeline"],
+                                      cwd=Path(__file__).resolve().parents[2], stdout=logs[1], stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        deadline = time.monotonic() + 120
+        while True:
+            again = subprocess.run(ask, capture_output=True, text=True, timeout=120)
+            if again.returncode == 0:
+                break
+            assert time.monotonic() < deadline and procs[0].poll() is None, again.stderr[-2000:]
+            time.sleep(1)
+        assert json.loads(again.stdout)["content"] == want.choices[0].message.content
     finally:
         for p in procs:
             if p.poll() is None:
@@ -194,3 +216,21 @@ def test_two_nodes_under_torchrun(smollm, client, tmp_path):
         if isolated:
             for name in ns:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out

@@ -18,6 +18,7 @@ the steps in flight (StageFailure); rank 0 then starts the stages it owns again.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_cache import BLOCK, KVCache
 from wafer.engine.runner import ModelRunner, StepBatch
 
 log = logging.getLogger("wafer.pipeline")
@@ -100,6 +101,18 @@ def _recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int, timeout: float | Non
     elif not work.wait(datetime.timedelta(seconds=timeout)):
         raise TimeoutError(f"no message from rank {src} in {timeout:.0f} s")
     return t
+
+
+def _compact(step: StepBatch) -> StepBatch:
+    """The step as the next stages need it: the fused step's tables cut to the rows of its slots
+    (renumbered) and the blocks up to its furthest position, instead of every slot's whole row."""
+    if step.tables is None:
+        return step
+    used = sorted(set(step.slots.tolist()))
+    renumber = {slot: i for i, slot in enumerate(used)}
+    blocks = int(step.positions.max()) // BLOCK + 1
+    return dataclasses.replace(step, tables=step.tables[used, :blocks].contiguous(),
+                               slots=torch.tensor([renumber[s] for s in step.slots.tolist()], dtype=torch.long))
 
 
 def _bytes(obj: object) -> torch.Tensor:
@@ -300,7 +313,7 @@ class PipelineExecutor:
             hidden = self.runner.execute(step)
         except Exception as e:
             raise StageError(f"stage 0: {type(e).__name__}: {e}") from e
-        meta = _bytes(step)
+        meta = _bytes(_compact(step))
         tensors = [torch.tensor([_STEP, meta.numel(), hidden.shape[0]]), meta, hidden]
         t0 = time.perf_counter()
         try:

@@ -34,7 +34,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     shared = [rng.randrange(3, 49000) for _ in range(40)]
     out = []
     for i in range(n):
-        length = [6, 90, 23, 150, 3, 47, 210, 12][i % 8]
+        length = [6, 90, 23, 130, 3, 47, 75, 12][i % 8]
         own = [rng.randrange(3, 49000) for _ in range(length)]
         out.append(shared + own if i % 3 == 0 else own)  # some share a prefix of 40 tokens
     return out
@@ -48,7 +48,7 @@ def _engine(path, compute: str, pp: int, **kw) -> LLMEngine:
 def _generate(engine: LLMEngine, prompts: list[list[int]], abort_after: int | None = None):
     """Greedy outputs of each prompt, run together; with abort_after, prompt 1 is aborted once that
     many steps have gone (while its step may be in flight)."""
-    seqs = [engine.add(p, SamplingParams(max_tokens=12 + 5 * (i % 4), temperature=0, ignore_eos=True))
+    seqs = [engine.add(p, SamplingParams(max_tokens=8 + 4 * (i % 4), temperature=0, ignore_eos=True))
             for i, p in enumerate(prompts)]
     for steps in itertools.count():
         if not engine.has_work:

@@ -80,3 +80,37 @@ def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
     assert all(s.finish_reason == "length" for s in seqs)
     assert engine.scheduler.num_preemptions > 0
     assert most <= 12 and engine.kv.num_used == 0 and engine.kv.usage == 0.0
+
+
+def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
+    """With pipeline stages, a step is scheduled while others are in flight: their sequences (busy)
+    are left out, and a step takes at most max_seqs sequences."""
+    from wafer.engine.kv_cache import BLOCK, KVCache
+    from wafer.engine.scheduler import Scheduler
+    from wafer.engine.sequence import Sequence, Status
+    from wafer.models.config import ModelConfig
+
+    cfg = ModelConfig("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=4, max_position_embeddings=256)
+    kv = KVCache(cfg, num_slots=4, max_len=4 * BLOCK, num_blocks=4)  # a block each when all four run
+    sched = Scheduler(kv, max_running=4, max_batched_tokens=256)
+    seqs = [Sequence(list(range(1, 10)), SamplingParams(max_tokens=40)) for _ in range(4)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule(max_seqs=2)
+    assert [i.seq for i in first] == seqs[:2]
+    second = sched.schedule(busy={s.seq_id for s in seqs[:2]}, max_seqs=2)
+    assert [i.seq for i in second] == seqs[2:]
+    assert sched.schedule(busy={s.seq_id for s in seqs}) == []
+    for s in seqs:  # prompts computed, one token out: each decodes from here
+        s.num_cached = len(s.tokens)
+        s.tokens.append(7)
+    # seqs[0] now needs a second block, and none is free: the last admitted, seqs[3], would give
+    # its up, but its step is in flight.
+    seqs[0].tokens += [7] * (BLOCK + 1 - len(seqs[0].tokens))
+    seqs[0].num_cached = BLOCK
+    out = sched.schedule(busy={seqs[3].seq_id})
+    assert [i.seq for i in out] == seqs[1:3]
+    assert sched.num_preemptions == 0 and seqs[3].status is Status.RUNNING
+    out = sched.schedule()  # once it is back, it is preempted for the sequence admitted before it
+    assert seqs[0] in [i.seq for i in out] and sched.preempted == [seqs[3]]

@@ -56,15 +56,19 @@ def child(model: str | None, stages: int, tokens: int) -> dict:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         seqs = [engine.add(list(ids), params) for _ in range(streams)]
         start = None
-        transfer0 = engine.pipeline.transfer_seconds if engine.pipeline else 0.0
+        pipe = engine.pipeline
+        before = (pipe.transfer_seconds, pipe.bytes_sent + pipe.bytes_received) if pipe else (0.0, 0)
         while engine.has_work or engine._in_flight:
             engine.step()
             if start is None and all(len(s.tokens) > s.num_prompt for s in seqs):
                 start, first = time.perf_counter(), sum(len(s.tokens) - s.num_prompt for s in seqs)
         seconds = time.perf_counter() - start  # type: ignore[operator]
         generated = sum(len(s.tokens) - s.num_prompt for s in seqs) - first
-        transfer = (engine.pipeline.transfer_seconds - transfer0) if engine.pipeline else 0.0
-        out["runs"][streams] = {"tok_s": generated / seconds, "transfer_ms_per_token": 1000 * transfer / generated}
+        transfer, moved = ((pipe.transfer_seconds - before[0], pipe.bytes_sent + pipe.bytes_received - before[1])
+                           if pipe else (0.0, 0))
+        total = generated + first
+        out["runs"][streams] = {"tok_s": generated / seconds, "transfer_ms_per_token": 1000 * transfer / total,
+                                "kb_per_token": moved / 1024 / total}
     pids = [os.getpid()] + (engine.pipeline.stage_pids() if engine.pipeline else [])
     out["rss_mb"] = [rss_mb(p) for p in pids]
     ranges = engine.pipeline.spec.ranges if engine.pipeline else [(0, len(costs))]
@@ -105,9 +109,11 @@ def main() -> None:
             run = r["runs"][str(streams)]
             base = results[1]["runs"][str(streams)]["tok_s"]
             rows.append([str(stages), str(streams), f"{run['tok_s']:.1f}", f"{run['tok_s'] / base:.2f}x",
-                         f"{run['transfer_ms_per_token']:.3f}"])
-    print("Aggregate decode tokens/s (the machine's threads shared among the stages)")
-    print(table(["stages", "streams", "tokens/s", "vs 1 stage", "transfer ms/token"], rows))
+                         f"{run['transfer_ms_per_token']:.3f}", f"{run['kb_per_token']:.0f}"])
+    print("Aggregate decode tokens/s (the machine's threads shared among the stages). Transfer: a step's time from its")
+    print("send by rank 0 to its logits back, less the other stages' compute on it (with several steps in flight, waiting")
+    print("behind another counts in), per token; KB: bytes between stages per token (hidden states, step, logits)")
+    print(table(["stages", "streams", "tokens/s", "vs 1 stage", "transfer ms/token", "KB/token"], rows))
     print("\nMemory of each stage process after the run (rank 0 also holds the tokenizer, scheduler and sampler)")
     rows = [[str(stages), ", ".join(f"{a}-{b - 1}" for a, b in r["ranges"]),
              ", ".join(f"{w:.0f}" for w in r["weights_mb"]), ", ".join(f"{m:.0f}" for m in r["rss_mb"]),

@@ -172,8 +172,13 @@ class LLMEngine:
         ranges = split_layers(*layer_costs(model), cfg.pipeline_parallel)
         # The machine's threads, shared among the stages: each process computes on its share.
         threads = max(1, torch.get_num_threads() // cfg.pipeline_parallel)
+        # Receive buffers that hold a whole step of max_batched_tokens (drafts included) and its
+        # logits at max_running rows; a larger message goes in two transfers.
+        drafts = cfg.max_running * cfg.speculative.num_tokens if cfg.speculative.method != "off" else 0
+        hidden_bytes = (cfg.max_batched_tokens + drafts) * model.config.hidden_size * 4
         spec = StageSpec(str(loaded.path), loaded.compute, ranges, self.kv_dtype, self.kv.num_slots,
-                         self.max_model_len, num_blocks, threads)
+                         self.max_model_len, num_blocks, threads, step_capacity=2 * hidden_bytes + (1 << 16),
+                         logits_capacity=cfg.max_running * model.config.vocab_size * 4 + (1 << 12))
         keep_stage(model, *ranges[0])
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)

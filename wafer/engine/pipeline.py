@@ -18,7 +18,6 @@ the steps in flight (StageFailure); rank 0 then starts the stages it owns again.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import logging
 import os
@@ -28,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,12 @@ from wafer.engine.runner import ModelRunner, StepBatch
 
 log = logging.getLogger("wafer.pipeline")
 
-_STEP, _STOP, _ERROR = 1, 0, 2  # the first field of every message's header
+# A message is one buffer: a header of 5 int64 (kind, two sizes, the payload's bytes, and the
+# microseconds the stages after rank 0 have computed on the step so far) and the payload.
+_STOP, _STEP, _ERROR = 0, 1, 2
+_BIG = 16  # flag: the payload did not fit the receiver's buffer and follows on its own (tag 1)
+_PICKLED = 32  # flag: the step is pickled (the Python model's), not packed as int64 (the fused step's)
+_HEADER = 40
 
 
 class StageError(RuntimeError):
@@ -61,6 +66,8 @@ class StageSpec:
     max_len: int
     num_blocks: int
     threads: int  # compute threads of each stage process (0: torch's default)
+    step_capacity: int = 1 << 22  # bytes of the receive buffers for steps; a larger step goes on its own
+    logits_capacity: int = 1 << 22  # and for the logits that come back to rank 0
 
 
 def free_port() -> int:
@@ -90,33 +97,104 @@ def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def _send(pg: dist.ProcessGroup, tensors: list[torch.Tensor], dst: int) -> list[dist.Work]:
-    return [pg.send([t.contiguous()], dst, 0) for t in tensors]
-
-
-def _recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int, timeout: float | None = None) -> torch.Tensor:
-    work = pg.recv([t], src, 0)
+def _wait(work: dist.Work, timeout: float | None, src: int) -> None:
     if timeout is None:
         work.wait()
     elif not work.wait(datetime.timedelta(seconds=timeout)):
         raise TimeoutError(f"no message from rank {src} in {timeout:.0f} s")
-    return t
 
 
-def _compact(step: StepBatch) -> StepBatch:
-    """The step as the next stages need it: the fused step's tables cut to the rows of its slots
-    (renumbered) and the blocks up to its furthest position, instead of every slot's whole row."""
+def _message(kind: int, a: int, b: int, parts: list[torch.Tensor], micros: int = 0) -> torch.Tensor:
+    """The header and the bytes of each part, in one buffer: one transfer, not one per part. Each
+    part starts at a multiple of 8 bytes, so that the receiver can view it as its own type."""
+    raw = [p.contiguous().view(-1).view(torch.uint8) for p in parts]
+    n = sum(_align(r.numel()) for r in raw)
+    msg = torch.empty(_HEADER + n, dtype=torch.uint8)
+    msg[:_HEADER].view(torch.int64).copy_(torch.tensor([kind, a, b, n, micros]))
+    at = _HEADER
+    for r in raw:
+        msg[at : at + r.numel()] = r
+        at += _align(r.numel())
+    return msg
+
+
+def _align(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _send(pg: dist.ProcessGroup, dst: int, msg: torch.Tensor, capacity: int) -> list[dist.Work]:
+    if msg.numel() <= capacity:
+        return [pg.send([msg], dst, 0)]
+    header = msg[:_HEADER].clone()
+    header.view(torch.int64)[0] |= _BIG
+    return [pg.send([header], dst, 0), pg.send([msg[_HEADER:]], dst, 1)]
+
+
+class Inbox:
+    """Messages from one rank, received into buffers posted ahead of them. gloo hands a message
+    over only once its receive is posted, and each such hand-over costs a wake-up of the sender's
+    I/O thread: with receives posted ahead, a message goes as soon as it is sent, in one transfer."""
+
+    def __init__(self, pg: dist.ProcessGroup, src: int, capacity: int, ahead: int, reuse: bool) -> None:
+        """`reuse`: a message's buffer is posted again at the next get() (its payload must be
+        used by then); else every message gets a buffer of its own."""
+        self.pg, self.src, self.capacity, self.reuse = pg, src, capacity, reuse
+        self.posted: deque[tuple[torch.Tensor, dist.Work]] = deque()
+        self._last: torch.Tensor | None = None
+        for _ in range(ahead):
+            self._post(torch.empty(capacity, dtype=torch.uint8))
+
+    def _post(self, buf: torch.Tensor) -> None:
+        self.posted.append((buf, self.pg.recv([buf], self.src, 0)))
+
+    def get(self, timeout: float | None = None) -> tuple[int, int, int, int, torch.Tensor]:
+        """The next message: kind, its two sizes, the stages' compute so far (µs), its payload (uint8)."""
+        if self._last is not None:
+            self._post(self._last)
+            self._last = None
+        buf, work = self.posted.popleft()
+        _wait(work, timeout, self.src)
+        if self.reuse:
+            self._last = buf
+        else:
+            self._post(torch.empty(self.capacity, dtype=torch.uint8))
+        kind, a, b, n, micros = buf[:_HEADER].view(torch.int64).tolist()
+        if kind & _BIG:
+            payload = torch.empty(n, dtype=torch.uint8)
+            _wait(self.pg.recv([payload], self.src, 1), timeout, self.src)
+            return kind & ~_BIG, a, b, micros, payload
+        return kind, a, b, micros, buf[_HEADER : _HEADER + n]
+
+
+def _encode(step: StepBatch) -> tuple[int, torch.Tensor]:
+    """The step as the next stages need it, and the flag of its format. The fused step's is packed
+    as int64, its tables cut to the rows of its slots (renumbered) and the blocks up to its
+    furthest position; the Python model's (masks and chunks) is pickled."""
     if step.tables is None:
-        return step
+        return _PICKLED, torch.frombuffer(bytearray(pickle.dumps(step)), dtype=torch.uint8)
     used = sorted(set(step.slots.tolist()))
     renumber = {slot: i for i, slot in enumerate(used)}
-    blocks = int(step.positions.max()) // BLOCK + 1
-    return dataclasses.replace(step, tables=step.tables[used, :blocks].contiguous(),
-                               slots=torch.tensor([renumber[s] for s in step.slots.tolist()], dtype=torch.long))
+    tables = step.tables[used, : int(step.positions.max()) // BLOCK + 1]
+    slots = torch.tensor([renumber[s] for s in step.slots.tolist()], dtype=torch.long)
+    rows = step.rows if step.rows is not None else torch.empty(0, dtype=torch.long)
+    sizes = torch.tensor([step.ids.numel(), -1 if step.rows is None else rows.numel(), *tables.shape])
+    return 0, torch.cat([sizes, step.ids, step.positions, slots, rows, tables.flatten()]).view(torch.uint8)
 
 
-def _bytes(obj: object) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+def _decode(flags: int, meta: torch.Tensor) -> StepBatch:
+    if flags & _PICKLED:
+        return pickle.loads(meta.numpy().tobytes())
+    v = meta.view(torch.int64)
+    n, r, t0, t1 = v[:4].tolist()
+    at = 4 + 3 * n
+    rows = v[at : at + r] if r >= 0 else None
+    at += max(r, 0)
+    return StepBatch(v[4 : 4 + n], v[4 + n : 4 + 2 * n], v[4 + 2 * n : 4 + 3 * n], rows,
+                     v[at : at + t0 * t1].view(t0, t1), None)
+
+
+def _text(e: Exception, rank: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(f"stage {rank}: {type(e).__name__}: {e}".encode()), dtype=torch.uint8)
 
 
 # --- ranks 1..N-1 ----------------------------------------------------------------------------------
@@ -134,36 +212,41 @@ def build_stage(spec: StageSpec, rank: int) -> ModelRunner:
 
 
 @torch.inference_mode()
-def serve_stage(pg: dist.ProcessGroup, rank: int, world: int, runner: ModelRunner) -> None:
+def serve_stage(pg: dist.ProcessGroup, rank: int, world: int, runner: ModelRunner, spec: StageSpec) -> None:
     """Compute every step that comes from the rank before, and pass it on (to rank 0 from the last),
     until told to stop. A step that raises here is passed on as an error, not a dead pipeline."""
     hidden_size = runner.model.config.hidden_size
     last = rank == world - 1
     nxt = 0 if last else rank + 1
+    inbox = Inbox(pg, rank - 1, spec.step_capacity, 2, reuse=True)
+    capacity = spec.logits_capacity if last else spec.step_capacity
+    sends: deque[list[dist.Work]] = deque()
     while True:
-        kind, n_meta, n_tok = _recv(pg, torch.empty(3, dtype=torch.long), rank - 1).tolist()
-        if kind == _STOP:
+        kind, a, b, micros, payload = inbox.get()
+        step_kind, flags = kind & 3, kind & ~3
+        if step_kind == _STOP:
             if not last:
-                for w in _send(pg, [torch.tensor([_STOP, 0, 0])], nxt):
+                for w in _send(pg, nxt, _message(_STOP, 0, 0, []), capacity):
                     w.wait()
             return
-        payload = _recv(pg, torch.empty(n_meta, dtype=torch.uint8), rank - 1)
-        if kind == _ERROR:  # an earlier stage failed this step: pass its message on
-            out: list[torch.Tensor] = [torch.tensor([_ERROR, n_meta, 0]), payload]
+        if step_kind == _ERROR:  # an earlier stage failed this step: pass its message on
+            out = _message(_ERROR, 0, 0, [payload])
         else:
-            hidden = _recv(pg, torch.empty(n_tok, hidden_size), rank - 1)
+            meta = payload[:a]
+            hidden = payload[_align(a) : _align(a) + 4 * b * hidden_size].view(torch.float32).view(b, hidden_size)
             try:
-                y = runner.execute(pickle.loads(payload.numpy().tobytes()), hidden)
-                if last:
-                    out = [torch.tensor([_STEP, y.shape[0], y.shape[1]]), y]
-                else:
-                    out = [torch.tensor([_STEP, n_meta, n_tok]), payload, y]
+                started = time.perf_counter()
+                y = runner.execute(_decode(flags, meta), hidden).float()
+                micros += int(1e6 * (time.perf_counter() - started))
+                out = (_message(_STEP, y.shape[0], y.shape[1], [y], micros) if last
+                       else _message(_STEP | flags, a, b, [meta, y], micros))
             except Exception as e:
                 log.exception("stage %d failed a step", rank)
-                err = _bytes(f"stage {rank}: {type(e).__name__}: {e}")
-                out = [torch.tensor([_ERROR, err.numel(), 0]), err]
-        for w in _send(pg, out, nxt):
-            w.wait()
+                out = _message(_ERROR, 0, 0, [_text(e, rank)])
+        sends.append(_send(pg, nxt, out, capacity))
+        while len(sends) > 2:  # the next rank has its receives posted ahead: these have gone
+            for w in sends.popleft():
+                w.wait()
 
 
 def stage_main(host: str, port: int, rank: int, world: int, timeout: float) -> None:
@@ -174,7 +257,7 @@ def stage_main(host: str, port: int, rank: int, world: int, timeout: float) -> N
     spec: StageSpec = pickle.loads(prefixed.get("spec"))
     runner = build_stage(spec, rank)
     pg = process_group(prefixed, rank, world, timeout, "127.0.0.1" if _loopback(host) else None)
-    serve_stage(pg, rank, world, runner)
+    serve_stage(pg, rank, world, runner, spec)
 
 
 # --- rank 0 ---------------------------------------------------------------------------------------
@@ -201,12 +284,16 @@ class PipelineExecutor:
         self.pg: dist.ProcessGroup | None = None
         self.fault: str | None = None  # why the pipeline is not serving now (None: it is)
         self.restarts = 0
-        self._sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []
+        self._sends: list[tuple[list[dist.Work], torch.Tensor]] = []
+        self._sent: deque[float] = deque()  # when each step in flight was sent on
+        self.inbox: Inbox | None = None
         self._pending = 0
         self._ready = threading.Event()
         self._connector: threading.Thread | None = None
-        self.transfer_seconds = 0.0  # rank 0's time in sends and receives (its waits for the stages excluded)
-        self.wait_seconds = 0.0  # rank 0's time waiting for the last stage's logits
+        self.send_seconds = 0.0  # rank 0's time packing and sending steps
+        self.stage_seconds = 0.0  # the later stages' compute on the steps that came back
+        self.transfer_seconds = 0.0  # the rest of each step's time from its send to its logits
+        self.bytes_sent = self.bytes_received = 0
         self.start()
 
     # --- the stage group ---------------------------------------------------------------------
@@ -215,7 +302,7 @@ class PipelineExecutor:
         ours) and connect. With block=False the connection is made in a thread (see ready)."""
         self.generation += 1
         self._ready.clear()
-        self.pg = None
+        self.pg = self.inbox = None
         prefixed = dist.PrefixStore(f"wafer/{self.generation}", self.store)
         prefixed.set("spec", pickle.dumps(self.spec))
         self.store.set("generation", str(self.generation))
@@ -225,6 +312,7 @@ class PipelineExecutor:
         def connect() -> None:
             try:
                 self.pg = process_group(prefixed, 0, self.world, self.timeout, self.host)  # rank 0 listens on host
+                self.inbox = Inbox(self.pg, self.world - 1, self.spec.logits_capacity, self.depth, reuse=False)
                 self.fault = None
                 self._ready.set()
             except Exception as e:  # noqa: BLE001 (reported through `fault`, and tried again)
@@ -263,6 +351,7 @@ class PipelineExecutor:
         background, so that the server answers meanwhile)."""
         self._kill()
         self._sends.clear()
+        self._sent.clear()
         self._pending = 0
         self.restarts += 1
         self.start(block=False)
@@ -293,7 +382,7 @@ class PipelineExecutor:
         """Tell the stages to stop, and make sure they have."""
         if self.pg is not None and self._pending == 0 and self._dead() is None:
             try:
-                for w in _send(self.pg, [torch.tensor([_STOP, 0, 0])], 1):
+                for w in _send(self.pg, 1, _message(_STOP, 0, 0, []), self.spec.step_capacity):
                     w.wait(datetime.timedelta(seconds=5))
                 for p in self.procs:
                     p.wait(timeout=10)
@@ -313,54 +402,46 @@ class PipelineExecutor:
             hidden = self.runner.execute(step)
         except Exception as e:
             raise StageError(f"stage 0: {type(e).__name__}: {e}") from e
-        meta = _bytes(_compact(step))
-        tensors = [torch.tensor([_STEP, meta.numel(), hidden.shape[0]]), meta, hidden]
         t0 = time.perf_counter()
+        flags, meta = _encode(step)
+        msg = _message(_STEP | flags, meta.numel(), hidden.shape[0], [meta, hidden.float()])
         try:
-            self._reap(block=False)
-            self._sends.append((_send(self.pg, tensors, 1), tensors))
+            self._sends.append((_send(self.pg, 1, msg, self.spec.step_capacity), msg))
         except Exception as e:
             raise self._failed(e) from e
-        self.transfer_seconds += time.perf_counter() - t0
+        self._sent.append(time.perf_counter())
+        self.send_seconds += self._sent[-1] - t0
+        self.bytes_sent += msg.numel()
         self._pending += 1
 
-    def _reap(self, block: bool) -> None:
-        """Complete the sends that have gone (their tensors may then be freed)."""
-        keep = []
-        for works, tensors in self._sends:
-            if block:
-                for w in works:
-                    w.wait(datetime.timedelta(seconds=self.timeout))
-            elif not all(w.is_completed() for w in works):
-                keep.append((works, tensors))
-                continue
-        self._sends = keep
+    def _reap_oldest(self) -> None:
+        """Complete the oldest step's sends (their tensors may then be freed). Called once its
+        logits are back, so that the next stage has long received them: gloo's works say they are
+        complete only when waited for."""
+        if self._sends:
+            works, _ = self._sends.pop(0)
+            for w in works:
+                w.wait(datetime.timedelta(seconds=self.timeout))
 
     @torch.inference_mode()
     def result(self) -> torch.Tensor:
         """The logits of the oldest step in flight. Raises StageError if a stage raised on it (the
         pipeline goes on), StageFailure if a stage is gone or timed out (everything in flight is lost)."""
-        assert self._pending > 0 and self.pg is not None
-        last = self.world - 1
-        t0 = time.perf_counter()
+        assert self._pending > 0 and self.pg is not None and self.inbox is not None
         try:
-            kind, a, b = _recv(self.pg, torch.empty(3, dtype=torch.long), last, self.timeout).tolist()
-            t1 = time.perf_counter()
-            if kind == _ERROR:
-                msg = _recv(self.pg, torch.empty(a, dtype=torch.uint8), last, self.timeout)
-                self._pending -= 1
-                raise StageError(pickle.loads(msg.numpy().tobytes()))
-            logits = _recv(self.pg, torch.empty(a, b), last, self.timeout)
-            self._reap(block=False)
-        except StageError:
-            raise
+            kind, a, b, micros, payload = self.inbox.get(self.timeout)
+            self._reap_oldest()
         except Exception as e:
             raise self._failed(e) from e
-        t2 = time.perf_counter()
-        self.wait_seconds += t1 - t0
-        self.transfer_seconds += t2 - t1
         self._pending -= 1
-        return logits
+        # From the step's send to its logits: the later stages' compute, and the rest, which is
+        # transfers between stages (and, with several steps in flight, waiting behind another).
+        self.stage_seconds += micros / 1e6
+        self.transfer_seconds += max(0.0, time.perf_counter() - self._sent.popleft() - micros / 1e6)
+        self.bytes_received += payload.numel()
+        if kind & 3 == _ERROR:
+            raise StageError(bytes(payload.numpy()).rstrip(b"\0").decode(errors="replace"))
+        return payload[: 4 * a * b].view(torch.float32).view(a, b)
 
     def check(self) -> None:
         """Raise StageFailure if a stage process of ours has exited (between steps, when nothing

@@ -153,6 +153,6 @@ class ModelRunner:
             batch,
             self.caches,
             None if step.rows is None else step.rows.to(self.device),
-            None if hidden is None else hidden.to(self.device),
+            None if hidden is None else hidden.to(self.device, self.model.norm.weight.dtype),
         )
         return logits.cpu()

@@ -124,21 +124,28 @@ def test_q4_and_q8_perplexity_within_two_percent_of_f32(path, f32, q4):
     assert ppl8 <= 1.02 * ref, ("q8", ppl8, ref)
 
 
-def test_batched_with_chunked_prefill_equals_each_alone_and_whole(q4, prompts):
+@pytest.fixture(scope="module")
+def long_alone(q4, prompts) -> list[int]:
+    """q4's 12 greedy tokens after the long prompt, alone in its engine and prefilled in one step: the
+    reference of both tests below, computed once (a fresh engine each time gives the same tokens)."""
+    return greedy(q4, [prompts[-1]], 12)[0]
+
+
+def test_batched_with_chunked_prefill_equals_each_alone_and_whole(q4, prompts, long_alone):
     chosen = [prompts[-1], prompts[0]]
-    alone = [greedy(q4, [p], 12)[0] for p in chosen]  # each prompt in one prefill step
+    alone = [long_alone, greedy(q4, [prompts[0]], 12)[0]]  # each prompt in one prefill step
     batched = greedy(q4, chosen, 12, max_batched_tokens=160)  # the 900-token prompt in chunks, beside decodes
     assert batched == alone
 
 
-def test_prefix_cache_speculation_and_int8_kv_keep_the_greedy_output(q4, prompts):
+def test_prefix_cache_speculation_and_int8_kv_keep_the_greedy_output(q4, prompts, long_alone):
     """The default model's other engine paths on Gemma 3: a prompt that repeats a finished one's
     prefix references its blocks (across the 512-token window), n-gram speculation, and int8 KV
     (whose perplexity over twice the window stays within 0.5% of f32 KV's)."""
     from wafer.engine.speculative import SpeculativeConfig
 
     long, short = prompts[-1], prompts[0]
-    want = greedy(q4, [long], 12)[0]
+    want = long_alone
     engine = LLMEngine(q4, EngineConfig(max_running=2, max_model_len=1024, max_batched_tokens=1024))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine.generate([long[:700] + short], params)

@@ -42,11 +42,26 @@ def tiny_hf(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("q"), "llama", seed=3)
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_hf, tmp_path_factory):
+    """tiny_hf written as GGUF of one quant type, once per type for the tests below (the writer is
+    deterministic: the same model, qtype and seed give the same file), as a function of the type."""
+    out = tmp_path_factory.mktemp("q-gguf")
+    files = {}
+
+    def get(qtype):
+        if qtype not in files:
+            files[qtype] = hf_to_gguf(tiny_hf, out / f"m-{qtype.name}.gguf", qtype)
+        return files[qtype]
+
+    return get
+
+
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
-def test_quantised_weights_load_as_the_file_says(tmp_path, tiny_hf, qtype):
+def test_quantised_weights_load_as_the_file_says(tiny_gguf, qtype):
     """Each weight wafer builds equals the library's dequantisation of the stored blocks, after
     the name mapping, the Q/K un-permutation and the QKV and gate/up fusion."""
-    path = hf_to_gguf(tiny_hf, tmp_path / f"m-{qtype.name}.gguf", qtype)
+    path = tiny_gguf(qtype)
     loaded = load_model(str(path))
     assert loaded.config.quantization == qtype.name
     reader = GGUFReader(str(path))
@@ -66,9 +81,9 @@ def test_quantised_weights_load_as_the_file_says(tmp_path, tiny_hf, qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K])
-def test_quantised_gguf_logits_match_transformers(tmp_path, tiny_hf, qtype):
+def test_quantised_gguf_logits_match_transformers(tiny_gguf, qtype):
     """transformers dequantises GGUF with its own code: an independent check of the whole path."""
-    path = hf_to_gguf(tiny_hf, tmp_path / f"m-{qtype.name}.gguf", qtype)
+    path = tiny_gguf(qtype)
     hf = hf_from_gguf(path)
     loaded = load_model(str(path))
     ids = torch.tensor([PROMPTS[1]])

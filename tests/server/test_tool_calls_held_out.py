@@ -11,6 +11,7 @@ import pytest
 
 from tests.serving import MODEL
 from tests.server.test_tools import collect_stream
+from wafer.engine.compute_threads import release_compute_threads
 from wafer.server.tools import CallParser, parse_reply, tool_grammar
 
 # Schemas unlike the ones the grammar was tuned on: open objects (no additionalProperties), free
@@ -228,20 +229,22 @@ def test_parallel_calls(server):
         (0, "search"), (1, "set_level")]
 
 
-def test_parallel_calls_from_the_model(client):
+def test_parallel_calls_from_the_model(server):
     """The served model asked for two things at once, with parallel calls on: some answers carry two
-    calls, every one valid; with parallel calls off, never more than one."""
+    calls, every one valid; with parallel calls off, never more than one. The twelve requests are sent
+    together (send_all), as the tests above send theirs: each has its own seed, and the engine's
+    batches give each sequence what it gets alone (test_concurrency.py)."""
+    release_compute_threads()  # as the client fixture does: the server's thread computes
     tools = [tool(0), tool(4)]
-    counts = {True: [], False: []}
-    for parallel in (True, False):
-        for seed in range(6):
-            r = client.chat.completions.create(
+    reqs = [{"parallel": parallel, "stream": False, "kwargs": dict(
                 model=MODEL, messages=[{"role": "user", "content": "Search for flights to Oslo, and set the "
                                                                    "alarm level to high."}],
-                tools=tools, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, seed=seed)
-            calls = r.choices[0].message.tool_calls or []
-            for c in calls:
-                jsonschema.validate(json.loads(c.function.arguments), HELD_OUT[NAMES.index(c.function.name)][0])
-            counts[parallel].append(len(calls))
+                tools=tools, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, seed=seed)}
+            for parallel in (True, False) for seed in range(6)]
+    counts = {True: [], False: []}
+    for r, res in zip(reqs, send_all(server, reqs)):
+        for c in res["calls"]:
+            jsonschema.validate(json.loads(c["arguments"]), HELD_OUT[NAMES.index(c["name"])][0])
+        counts[r["parallel"]].append(len(res["calls"]))
     assert max(counts[True]) >= 2, counts
     assert max(counts[False]) == 1 and min(counts[False]) == 1, counts

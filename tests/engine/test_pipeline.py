@@ -188,3 +188,34 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is gone, only not yet reaped
         return f.read().split()[2] != "Z"
+
+
+def test_a_step_that_raises_on_a_stage_fails_only_its_sequence(tiny_gguf):
+    """A step that raises on a later stage comes back as an error, not a dead pipeline; its sequences
+    go again one by one, and only the one that fails alone fails. Here the second stage's KV pool is
+    made smaller than rank 0's, so that a sequence whose blocks lie past its end fails there only."""
+    import dataclasses
+
+    rng = random.Random(5)
+    # Two blocks each (0-1, 2-3, 4-5, 6-7), two sequences a step: the second step holds the last.
+    prompts = [[rng.randrange(3, 49000) for _ in range(20)] for _ in range(4)]
+    single = _engine(tiny_gguf, "auto", 1, prefix_caching=False)
+    want, _ = _generate(single, prompts)
+    engine = _engine(tiny_gguf, "auto", 2, prefix_caching=False)
+    pipe = engine.pipeline
+    try:
+        pipe.close()
+        pipe.spec = dataclasses.replace(pipe.spec, num_blocks=6)
+        pipe.start()
+        seqs = [engine.add(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts]
+        outputs = []
+        while engine.has_work or engine._in_flight:
+            outputs += engine.step()
+        for seq, tokens in zip(seqs[:3], want):
+            assert seq.finish_reason == "length" and seq.tokens[seq.num_prompt:] == tokens[:8]
+        assert seqs[3].finish_reason == "error"
+        errors = [o.error for o in outputs if o.error]
+        assert len(errors) == 1 and errors[0].startswith("StageError: stage 1:"), errors
+        assert pipe.restarts == 0 and pipe.ready  # the pipeline went on
+    finally:
+        engine.close()

@@ -311,6 +311,9 @@ def serve(args: argparse.Namespace) -> int:
           f"tiers {tiers}; names {', '.join(router.names)}", file=sys.stderr, flush=True)
     for m in served:
         print(f"  {m.names[0]}: compute path {m.compute['path']} on {m.compute['kernels']}", file=sys.stderr, flush=True)
+        if (stages := m.engine.stats().pipeline) is not None:
+            layers = " | ".join(f"{a}-{b - 1}" for a, b in stages["layers"])
+            print(f"  {m.names[0]}: {stages['stages']} pipeline stages, layers {layers}", file=sys.stderr, flush=True)
         if m.compute["warning"]:
             print(f"  WARNING {m.names[0]}: {m.compute['warning']}", file=sys.stderr, flush=True)
     try:

@@ -48,7 +48,9 @@ def _engine(path, compute: str, pp: int, **kw) -> LLMEngine:
 def _generate(engine: LLMEngine, prompts: list[list[int]], abort_after: int | None = None):
     """Greedy outputs of each prompt, run together; with abort_after, prompt 1 is aborted once that
     many steps have gone (while its step may be in flight)."""
-    seqs = [engine.add(p, SamplingParams(max_tokens=8 + 4 * (i % 4), temperature=0, ignore_eos=True))
+    # The first asks for logprobs: its steps bring back logits; the others' only their argmax.
+    seqs = [engine.add(p, SamplingParams(max_tokens=8 + 4 * (i % 4), temperature=0, ignore_eos=True,
+                                         logprobs=2 if i == 0 else None))
             for i, p in enumerate(prompts)]
     for steps in itertools.count():
         if not engine.has_work:
@@ -94,8 +96,9 @@ def test_pipeline_outputs_equal_one_process(tiny_gguf, compute):
         pids = engine.pipeline.stage_pids()
         try:
             assert engine.pipeline is not None and len(engine.pipeline.procs) == pp - 1
-            got, _ = _generate(engine, prompts)
+            got, seqs = _generate(engine, prompts)
             assert got == want, f"{pp} stages on {compute}"
+            assert len(seqs[0].logprobs) == len(got[0]) and all(len(lp.top) == 2 for lp in seqs[0].logprobs)
             hits = engine.kv.prefix_hit_tokens
             got, seqs = _generate(engine, prompts[:3])
             assert got == want[:3]

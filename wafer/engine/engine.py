@@ -304,8 +304,10 @@ class LLMEngine:
         return self._process(flight.scheduled, logits, failed, time.perf_counter() - flight.started)
 
     def _submit(self, scheduled: list[ScheduledSeq], failed: list[SequenceOutput]) -> None:
+        step = self.runner.prepare(scheduled)
+        step.argmax_only = all(_argmax_only(item.seq) for item in scheduled if item.samples)
         try:
-            self.pipeline.submit(self.runner.prepare(scheduled))  # type: ignore[union-attr]
+            self.pipeline.submit(step)  # type: ignore[union-attr]
         except StageError as e:
             self._run_alone(scheduled, e, failed)
             return
@@ -606,6 +608,12 @@ class LLMEngine:
         holding the GIL, which would stall every stream under the first request with a schema)."""
         self.generate([[self.tokenizer.bos_id or 0] * 4], SamplingParams(max_tokens=2, temperature=0))
         self.constraints.llt  # noqa: B018 (built on first use)
+
+
+def _argmax_only(seq: Sequence) -> bool:
+    """Whether this sequence's next tokens are its logits' argmax and nothing else of them is read."""
+    p = seq.params
+    return p.greedy and not p.needs_processing and p.logprobs is None and seq.matcher is None
 
 
 @dataclass

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from wafer.engine.kv_cache import BLOCK, KVCache
 from wafer.engine.runner import ModelRunner, StepBatch
+from wafer.engine.sampler import best
 
 log = logging.getLogger("wafer.pipeline")
 
@@ -43,6 +44,7 @@ log = logging.getLogger("wafer.pipeline")
 _STOP, _STEP, _ERROR = 0, 1, 2
 _BIG = 16  # flag: the payload did not fit the receiver's buffer and follows on its own (tag 1)
 _PICKLED = 32  # flag: the step is pickled (the Python model's), not packed as int64 (the fused step's)
+_TOKENS = 64  # flag: the last stage sends each row's argmax, not its logits (StepBatch.argmax_only)
 _HEADER = 40
 
 
@@ -177,7 +179,8 @@ def _encode(step: StepBatch) -> tuple[int, torch.Tensor]:
     tables = step.tables[used, : int(step.positions.max()) // BLOCK + 1]
     slots = torch.tensor([renumber[s] for s in step.slots.tolist()], dtype=torch.long)
     rows = step.rows if step.rows is not None else torch.empty(0, dtype=torch.long)
-    sizes = torch.tensor([step.ids.numel(), -1 if step.rows is None else rows.numel(), *tables.shape])
+    sizes = torch.tensor([step.ids.numel(), -1 if step.rows is None else rows.numel(), *tables.shape,
+                          int(step.argmax_only)])
     return 0, torch.cat([sizes, step.ids, step.positions, slots, rows, tables.flatten()]).view(torch.uint8)
 
 
@@ -185,12 +188,12 @@ def _decode(flags: int, meta: torch.Tensor) -> StepBatch:
     if flags & _PICKLED:
         return pickle.loads(meta.numpy().tobytes())
     v = meta.view(torch.int64)
-    n, r, t0, t1 = v[:4].tolist()
-    at = 4 + 3 * n
+    n, r, t0, t1, argmax_only = v[:5].tolist()
+    at = 5 + 3 * n
     rows = v[at : at + r] if r >= 0 else None
     at += max(r, 0)
-    return StepBatch(v[4 : 4 + n], v[4 + n : 4 + 2 * n], v[4 + 2 * n : 4 + 3 * n], rows,
-                     v[at : at + t0 * t1].view(t0, t1), None)
+    return StepBatch(v[5 : 5 + n], v[5 + n : 5 + 2 * n], v[5 + 2 * n : 5 + 3 * n], rows,
+                     v[at : at + t0 * t1].view(t0, t1), None, bool(argmax_only))
 
 
 def _text(e: Exception, rank: int) -> torch.Tensor:
@@ -236,10 +239,16 @@ def serve_stage(pg: dist.ProcessGroup, rank: int, world: int, runner: ModelRunne
             hidden = payload[_align(a) : _align(a) + 4 * b * hidden_size].view(torch.float32).view(b, hidden_size)
             try:
                 started = time.perf_counter()
-                y = runner.execute(_decode(flags, meta), hidden).float()
+                step = _decode(flags, meta)
+                y = runner.execute(step, hidden).float()
                 micros += int(1e6 * (time.perf_counter() - started))
-                out = (_message(_STEP, y.shape[0], y.shape[1], [y], micros) if last
-                       else _message(_STEP | flags, a, b, [meta, y], micros))
+                if last and step.argmax_only:  # the same argmax rank 0 would take (sampler.best)
+                    tokens = best(y) if y.shape[0] else torch.empty(0, dtype=torch.long)
+                    out = _message(_STEP | _TOKENS, y.shape[0], y.shape[1], [tokens], micros)
+                elif last:
+                    out = _message(_STEP, y.shape[0], y.shape[1], [y], micros)
+                else:
+                    out = _message(_STEP | flags, a, b, [meta, y], micros)
             except Exception as e:
                 log.exception("stage %d failed a step", rank)
                 out = _message(_ERROR, 0, 0, [_text(e, rank)])
@@ -441,6 +450,10 @@ class PipelineExecutor:
         self.bytes_received += payload.numel()
         if kind & 3 == _ERROR:
             raise StageError(bytes(payload.numpy()).rstrip(b"\0").decode(errors="replace"))
+        if kind & _TOKENS:  # each row's argmax: rows that any argmax gives back as that token
+            logits = torch.full((a, b), float("-inf"))
+            logits[torch.arange(a), payload[: 8 * a].view(torch.int64)] = 0.0
+            return logits
         return payload[: 4 * a * b].view(torch.float32).view(a, b)
 
     def check(self) -> None:

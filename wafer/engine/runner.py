@@ -35,6 +35,9 @@ class StepBatch:
     rows: torch.Tensor | None  # the rows whose logits are wanted (None: every row)
     tables: torch.Tensor | None  # [slots, max_blocks] each slot's blocks (the fused step's)
     attention: AttentionBatch | None  # the Python model's view of the same (None on the fused step)
+    # Only each row's argmax is wanted (every row greedy, without logprobs, penalties or grammar): a
+    # pipeline's last stage then sends the tokens back instead of the logits.
+    argmax_only: bool = False
 
     @property
     def num_rows(self) -> int:

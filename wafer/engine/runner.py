@@ -150,12 +150,8 @@ class ModelRunner:
             return self.fused(step.ids, step.positions, step.slots, step.tables, rows, hidden)
         assert step.attention is not None, "a step prepared for the fused step cannot run the Python model"
         batch = step.attention.to(self.device)
-        logits = self.model(
-            step.ids.to(self.device),
-            batch.positions,
-            batch,
-            self.caches,
-            None if step.rows is None else step.rows.to(self.device),
-            None if hidden is None else hidden.to(self.device, self.model.norm.weight.dtype),
-        )
-        return logits.cpu()
+        args = [step.ids.to(self.device), batch.positions, batch, self.caches,
+                None if step.rows is None else step.rows.to(self.device)]
+        if hidden is not None:  # a pipeline stage's (a Llama-family model)
+            args.append(hidden.to(self.device, self.model.norm.weight.dtype))
+        return self.model(*args).cpu()

@@ -10,7 +10,7 @@ sends and receives between stages (waits for the other stages excluded).
 The machine's threads are shared among the stages: with T threads, one process computes on T, and
 each of N stages on T // N (at least 1, so 3 stages on 2 cores run 3 threads).
 
-    python bench/pipeline.py [--model PATH] [--tokens 64]
+    python bench/pipeline.py [--model PATH] [--tokens 64] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -89,20 +90,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="rounds of the three configurations, interleaved; each figure is the median of its rounds "
+                        "(this host's speed drifts by 2x within minutes)")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.model, args.child, args.tokens)))
         return
+    rounds: dict[int, list[dict]] = {1: [], 2: [], 3: []}
+    for _ in range(args.repeat):
+        for stages in rounds:
+            cmd = [sys.executable, __file__, "--child", str(stages), "--tokens", str(args.tokens)]
+            if args.model:
+                cmd += ["--model", args.model]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            rounds[stages].append(json.loads(done.stdout.strip().splitlines()[-1]))
     results = {}
-    for stages in (1, 2, 3):
-        cmd = [sys.executable, __file__, "--child", str(stages), "--tokens", str(args.tokens)]
-        if args.model:
-            cmd += ["--model", args.model]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        results[stages] = json.loads(done.stdout.strip().splitlines()[-1])
+    for stages, rs in rounds.items():
+        results[stages] = dict(rs[-1])
+        results[stages]["runs"] = {k: {m: statistics.median(r["runs"][k][m] for r in rs) for m in rs[0]["runs"][k]}
+                                   for k in rs[0]["runs"]}
     print(f"{cpu()}, {os.cpu_count()} cores; {args.model or 'SmolLM2-135M-Instruct (default path)'}, "
-          f"{args.tokens} tokens a stream, greedy\n")
+          f"{args.tokens} tokens a stream, greedy; medians of {args.repeat} interleaved rounds\n")
     rows = []
     for stages, r in results.items():
         for streams in STREAMS:

@@ -19,7 +19,7 @@ import torch
 from wafer.engine import defaults
 from wafer.engine.constraints import Constraints, mask_logits
 from wafer.engine.kv_cache import BLOCK, KV_DTYPES, KVCache, bytes_per_token
-from wafer.engine.pipeline import PipelineExecutor, StageError, StageFailure, StageSpec
+from wafer.engine.pipeline import PipelineExecutor, StageError, StageFailure, StageSpec, measured_costs
 from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import ScheduledSeq, Scheduler
@@ -169,9 +169,12 @@ class LLMEngine:
         model = loaded.model
         if not isinstance(model, LlamaModel) or model.rotary.cos.device.type != "cpu" or loaded.path.is_dir():
             raise ValueError("pipeline stages run Llama-family GGUF models on the CPU")
-        ranges = split_layers(*layer_costs(model), cfg.pipeline_parallel)
         # The machine's threads, shared among the stages: each process computes on its share.
         threads = max(1, torch.get_num_threads() // cfg.pipeline_parallel)
+        # Contiguous layer ranges of equal cost, measured on a stage's threads where the fused step
+        # runs (else by the bytes of weights each layer reads).
+        costs = measured_costs(model, self.kv_dtype, threads) or layer_costs(model)
+        ranges = split_layers(*costs, cfg.pipeline_parallel)
         # Receive buffers that hold a whole step of max_batched_tokens (drafts included) and its
         # logits at max_running rows; a larger message goes in two transfers.
         drafts = cfg.max_running * cfg.speculative.num_tokens if cfg.speculative.method != "off" else 0

@@ -1,9 +1,10 @@
 """A pipeline stage's share of a model: a contiguous range of its layers, the embedding on the first
 stage and the final norm and head on the last (engine/pipeline.py runs the stages).
 
-The ranges are balanced by what a decode step costs on a CPU, the bytes of weights it reads: a
-layer's linear weights, and on the last stage the output head, which for a small model with a large
-vocabulary weighs as much as several layers (SmolLM2-135M's is 28M of its 135M parameters).
+The ranges are balanced by what a decode step costs in each layer and in the head, which the engine
+measures where wafer's fused step runs (engine/pipeline.py: measured_costs), and otherwise estimates
+by the bytes of weights each reads. The head matters: for a small model with a large vocabulary it
+weighs as much as several layers (SmolLM2-135M's is 28M of its 135M parameters).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def layer_costs(model: LlamaModel) -> tuple[list[int], int]:
     return [_weight_bytes(layer) for layer in model.layers], _weight_bytes(model.lm_head)
 
 
-def split_layers(costs: list[int], head: int, stages: int) -> list[tuple[int, int]]:
+def split_layers(costs: list[float], head: float, stages: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges [start, end), one per stage, each non-empty, that make the costliest
     stage (the last one carries the head) as cheap as it can be."""
     n = len(costs)
@@ -36,7 +37,7 @@ def split_layers(costs: list[int], head: int, stages: int) -> list[tuple[int, in
     for c in costs:
         prefix.append(prefix[-1] + c)
 
-    def cost(a: int, b: int) -> int:
+    def cost(a: int, b: int) -> float:
         return prefix[b] - prefix[a] + (head if b == n else 0)
 
     # best[s][i]: the least possible maximum over the first i layers in s stages; cut[s][i]: the last cut.

@@ -334,9 +334,6 @@ class LLMEngine:
         for seq in list(self.scheduler.running):
             self._fail(seq, error, failed)
         self.kv.forget_prefixes()
-        if self.proposer is not None:
-            for out in failed:
-                self.proposer.release(out.seq_id)
         self.pipeline.restart()  # type: ignore[union-attr]
 
     def _schedule(self, busy: frozenset[int] | set[int] = frozenset(), max_seqs: int | None = None

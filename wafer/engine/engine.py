@@ -136,15 +136,16 @@ class LLMEngine:
                                    self.config.prefix_caching)
         self.pipeline: PipelineExecutor | None = None
         self._in_flight: deque[_Flight] = deque()
-        if self.config.pipeline_parallel > 1:
-            self.pipeline = self._make_pipeline(loaded, num_blocks)
-        self.runner = self.pipeline.runner if self.pipeline is not None else ModelRunner(loaded.model, self.kv)
         self.sampler = Sampler(self.config.seed)
         self.stats = EngineStats()
         self.seqs: dict[int, Sequence] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.constraints = Constraints(self.tokenizer)
         self.proposer = self._make_proposer(draft)
+        # Last: the stages are processes, which nothing would stop if a later part of this raised.
+        if self.config.pipeline_parallel > 1:
+            self.pipeline = self._make_pipeline(loaded, num_blocks)
+        self.runner = self.pipeline.runner if self.pipeline is not None else ModelRunner(loaded.model, self.kv)
         self._seconds_per_token: float | None = None  # of a prompt token in a step (see _time_prefill)
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
@@ -169,11 +170,12 @@ class LLMEngine:
         model = loaded.model
         if not isinstance(model, LlamaModel) or model.rotary.cos.device.type != "cpu" or loaded.path.is_dir():
             raise ValueError("pipeline stages run Llama-family GGUF models on the CPU")
-        # The machine's threads, shared among the stages: each process computes on its share.
-        threads = max(1, torch.get_num_threads() // cfg.pipeline_parallel)
+        # The machine's cores, shared among the stages it starts: each process computes on its share.
+        # (Stages that torchrun starts on other machines take their own machine's, and rank 0 keeps its.)
+        threads = max(1, len(os.sched_getaffinity(0)) // cfg.pipeline_parallel) if cfg.pipeline_spawn else 0
         # Contiguous layer ranges of equal cost, measured on a stage's threads where the fused step
         # runs (else by the bytes of weights each layer reads).
-        costs = measured_costs(model, self.kv_dtype, threads) or layer_costs(model)
+        costs = measured_costs(model, self.kv_dtype, threads or torch.get_num_threads()) or layer_costs(model)
         ranges = split_layers(*costs, cfg.pipeline_parallel)
         # Receive buffers that hold a whole step of max_batched_tokens (drafts included) and its
         # logits at max_running rows; a larger message goes in two transfers.
@@ -184,7 +186,8 @@ class LLMEngine:
                          logits_capacity=cfg.max_running * model.config.vocab_size * 4 + (1 << 12))
         keep_stage(model, *ranges[0])
         self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         log.info("pipeline of %d stages, layers %s", cfg.pipeline_parallel, ranges)
         return PipelineExecutor(ModelRunner(model, self.kv), spec, cfg.pipeline_parallel, cfg.pipeline_host,
                                 cfg.pipeline_port, cfg.pipeline_spawn, cfg.pipeline_timeout)
@@ -282,6 +285,7 @@ class LLMEngine:
         assert pipe is not None
         failed: list[SequenceOutput] = []
         if not pipe.ready:  # the stages are starting again: the waiting requests wait
+            pipe.retry()
             time.sleep(0.01)
             return failed
         try:

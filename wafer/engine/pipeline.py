@@ -47,6 +47,7 @@ _BIG = 16  # flag: the payload did not fit the receiver's buffer and follows on 
 _PICKLED = 32  # flag: the step is pickled (the Python model's), not packed as int64 (the fused step's)
 _TOKENS = 64  # flag: the last stage sends each row's argmax, not its logits (StepBatch.argmax_only)
 _HEADER = 40
+_IDLE_FOREVER = 10 * 365 * 86400.0  # seconds
 
 
 class StageError(RuntimeError):
@@ -235,7 +236,7 @@ def measured_costs(model: torch.nn.Module, kv_dtype: torch.dtype, threads: int, 
                 t = time.perf_counter()
                 step(*args, out)
                 times.append(time.perf_counter() - t)
-            return sorted(times)[1]  # (the first is a warm-up)
+            return min(times[1:])  # (the first is a warm-up)
 
         layers_only = best_of(without, torch.empty(0, dtype=torch.long))
         whole = best_of(with_head, torch.arange(rows))
@@ -311,7 +312,9 @@ def stage_main(host: str, port: int, rank: int, world: int, timeout: float) -> N
     prefixed = dist.PrefixStore(f"wafer/{generation}", store)
     spec: StageSpec = pickle.loads(prefixed.get("spec"))
     runner = build_stage(spec, rank)
-    pg = process_group(prefixed, rank, world, timeout, "127.0.0.1" if _loopback(host) else None)
+    # A stage waits for its next step as long as the server is idle: its group's own timeout (the
+    # bound of a wait without one) must not end it. Rank 0 bounds every step's wait itself.
+    pg = process_group(prefixed, rank, world, _IDLE_FOREVER, "127.0.0.1" if _loopback(host) else None)
     serve_stage(pg, rank, world, runner, spec)
 
 
@@ -366,9 +369,10 @@ class PipelineExecutor:
 
         def connect() -> None:
             try:
-                self.pg = process_group(prefixed, 0, self.world, self.timeout, self.host)  # rank 0 listens on host
-                self.inbox = Inbox(self.pg, self.world - 1, self.spec.logits_capacity, self.depth, reuse=False)
-                self.fault = None
+                # Joining waits for every stage to load its model: the connect timeout, not a step's.
+                pg = process_group(prefixed, 0, self.world, self.connect_timeout, self.host)  # rank 0 listens on host
+                inbox = Inbox(pg, self.world - 1, self.spec.logits_capacity, self.depth, reuse=False)
+                self.pg, self.inbox, self.fault = pg, inbox, None
                 self._ready.set()
             except Exception as e:  # noqa: BLE001 (reported through `fault`, and tried again)
                 log.error("pipeline stages did not connect: %s", e)
@@ -392,11 +396,13 @@ class PipelineExecutor:
     @property
     def ready(self) -> bool:
         """Whether the stages are connected; after a failure, False until they are again."""
-        if self._ready.is_set():
-            return True
-        if self._connector is not None and not self._connector.is_alive() and self.pg is None:
-            self.restart()  # the last attempt failed: try again
-        return False
+        return self._ready.is_set()
+
+    def retry(self) -> None:
+        """Start the stages again if the last attempt to connect them has failed (the engine's
+        step calls this while the pipeline is not ready; a health check only reads `ready`)."""
+        if not self._ready.is_set() and self._connector is not None and not self._connector.is_alive():
+            self.restart()
 
     def stage_pids(self) -> list[int]:
         return [p.pid for p in self.procs]

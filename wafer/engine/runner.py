@@ -91,7 +91,8 @@ class ModelRunner:
             seq, start, n = item.seq, item.start, item.count
             if n > 1:
                 ctx = start + n
-                prefills.append(PrefillChunk(len(ids), n, tables[seq.slot, : -(-ctx // BLOCK)], ctx,
+                # (a copy: a view would carry the whole table wherever the step is pickled, to a stage)
+                prefills.append(PrefillChunk(len(ids), n, tables[seq.slot, : -(-ctx // BLOCK)].clone(), ctx,
                                              causal_masks(start, n, self.windows)))
             ids.extend(item.input_ids())
             positions.extend(range(start, start + n))

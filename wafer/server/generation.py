@@ -41,7 +41,7 @@ def _shutting_down(e: Exception) -> APIError:
 
 def _unavailable(e: Exception, rid: str) -> APIError:
     log.error("request %s failed: %s", rid, e)
-    return APIError(503, f"The model is unavailable: {e}; it is being restarted, retry shortly (request id {rid}).",
+    return APIError(503, f"The model is unavailable: {e}; retry shortly (request id {rid}).",
                     "server_error", None, "stage_failure", {"Retry-After": "5"})
 _PING = object()  # put in a request's queue when ping_interval passes without an output
 TEXT_HOLE = "\x00wafer-text\x00"  # stands for a chunk's text in a pre-rendered event

@@ -59,7 +59,11 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int = defau
                                             kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                                             **(pipeline or {})),
                        draft=draft)
-    engine.warmup()
+    try:
+        engine.warmup()
+    except BaseException:
+        engine.close()  # its pipeline stages, if any
+        raise
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     digest = hashlib.sha256(f"{loaded.name}:{loaded.config.quantization}:{__version__}".encode()).hexdigest()
     return ServedModel(

@@ -345,11 +345,8 @@ class PipelineExecutor:
         self._sends: list[tuple[list[dist.Work], torch.Tensor]] = []
         self._sent: deque[float] = deque()  # when each step in flight was sent on
         self.inbox: Inbox | None = None
-        self._pending = 0
         self._ready = threading.Event()
         self._connector: threading.Thread | None = None
-        self.send_seconds = 0.0  # rank 0's time packing and sending steps
-        self.stage_seconds = 0.0  # the later stages' compute on the steps that came back
         self.transfer_seconds = 0.0  # the rest of each step's time from its send to its logits
         self.bytes_sent = self.bytes_received = 0
         self.start()
@@ -413,7 +410,6 @@ class PipelineExecutor:
         self._kill()
         self._sends.clear()
         self._sent.clear()
-        self._pending = 0
         self.restarts += 1
         self.start(block=False)
 
@@ -441,7 +437,7 @@ class PipelineExecutor:
 
     def close(self) -> None:
         """Tell the stages to stop, and make sure they have."""
-        if self.pg is not None and self._pending == 0 and self._dead() is None:
+        if self.pg is not None and not self._sent and self._dead() is None:
             try:
                 for w in _send(self.pg, 1, _message(_STOP, 0, 0, []), self.spec.step_capacity):
                     w.wait(datetime.timedelta(seconds=5))
@@ -463,7 +459,6 @@ class PipelineExecutor:
             hidden = self.runner.execute(step)
         except Exception as e:
             raise StageError(f"stage 0: {type(e).__name__}: {e}") from e
-        t0 = time.perf_counter()
         flags, meta = _encode(step)
         msg = _message(_STEP | flags, meta.numel(), hidden.shape[0], [meta, hidden.float()])
         try:
@@ -471,9 +466,7 @@ class PipelineExecutor:
         except Exception as e:
             raise self._failed(e) from e
         self._sent.append(time.perf_counter())
-        self.send_seconds += self._sent[-1] - t0
         self.bytes_sent += msg.numel()
-        self._pending += 1
 
     def _reap_oldest(self) -> None:
         """Complete the oldest step's sends (their tensors may then be freed). Called once its
@@ -488,16 +481,14 @@ class PipelineExecutor:
     def result(self) -> torch.Tensor:
         """The logits of the oldest step in flight. Raises StageError if a stage raised on it (the
         pipeline goes on), StageFailure if a stage is gone or timed out (everything in flight is lost)."""
-        assert self._pending > 0 and self.pg is not None and self.inbox is not None
+        assert self._sent and self.pg is not None and self.inbox is not None
         try:
             kind, a, b, micros, payload = self.inbox.get(self.timeout)
             self._reap_oldest()
         except Exception as e:
             raise self._failed(e) from e
-        self._pending -= 1
         # From the step's send to its logits: the later stages' compute, and the rest, which is
         # transfers between stages (and, with several steps in flight, waiting behind another).
-        self.stage_seconds += micros / 1e6
         self.transfer_seconds += max(0.0, time.perf_counter() - self._sent.popleft() - micros / 1e6)
         self.bytes_received += payload.numel()
         if kind & 3 == _ERROR:

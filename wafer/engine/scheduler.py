@@ -47,7 +47,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preempted: list[Sequence] = []  # since the engine last looked (it drops their drafts' state)
         self.num_preemptions = 0
-        self._busy: frozenset[int] | set[int] = frozenset()  # this schedule()'s sequences in flight
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,7 +71,6 @@ class Scheduler:
         left out, neither scheduled nor preempted, and a step takes at most `max_seqs` sequences so
         that the running ones are shared among the steps."""
         out: list[ScheduledSeq] = []
-        self._busy = busy
         room = max_seqs if max_seqs is not None else len(self.running) + len(self.waiting)
         budget = self.max_batched_tokens
         prefilling: list[Sequence] = []
@@ -82,7 +80,7 @@ class Scheduler:
             if len(out) + len(prefilling) >= room:
                 break
             if len(seq.tokens) - seq.num_cached == 1:
-                if self._make_room(seq, seq.num_cached + 1, out):
+                if self._make_room(seq, seq.num_cached + 1, out, busy):
                     self.kv.reserve(seq.slot, seq.num_cached + 1)  # type: ignore[arg-type]
                     out.append(ScheduledSeq(seq, seq.num_cached, 1))
                     budget -= 1
@@ -95,7 +93,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue
-            n = self._chunk(seq, budget, out)
+            n = self._chunk(seq, budget, out, busy)
             if n:
                 self.kv.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
                 out.append(ScheduledSeq(seq, seq.num_cached, n))
@@ -120,7 +118,8 @@ class Scheduler:
             budget -= n
         return out
 
-    def _make_room(self, seq: Sequence, n: int, scheduled: list[ScheduledSeq]) -> bool:
+    def _make_room(self, seq: Sequence, n: int, scheduled: list[ScheduledSeq],
+                   busy: frozenset[int] | set[int]) -> bool:
         """Blocks for `seq`'s first n tokens, preempting sequences admitted after it (and not
         already in this step) as needed. False when none is left to preempt: then `seq` itself is
         preempted if it is the last admitted and not alone, so that the others can go on."""
@@ -130,12 +129,13 @@ class Scheduler:
                 if len(self.running) > 1:
                     self.preempt(seq)
                 return False
-            if any(item.seq is victim for item in scheduled) or victim.seq_id in self._busy:
+            if any(item.seq is victim for item in scheduled) or victim.seq_id in busy:
                 return False
             self.preempt(victim)
         return True
 
-    def _chunk(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> int:
+    def _chunk(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
+               busy: frozenset[int] | set[int]) -> int:
         """How many prompt tokens `seq` computes this step: its remainder, within the budget and the
         blocks it can get (preempting later sequences only when it could not advance at all)."""
         start = seq.num_cached
@@ -143,7 +143,7 @@ class Scheduler:
         fit = self.kv.room(seq.slot, start + n) - start  # type: ignore[arg-type]
         if fit > 0:
             return min(n, fit)
-        return min(n, BLOCK) if self._make_room(seq, start + min(n, BLOCK), scheduled) else 0
+        return min(n, BLOCK) if self._make_room(seq, start + min(n, BLOCK), scheduled, busy) else 0
 
     def preempt(self, seq: Sequence) -> None:
         """Stop a running sequence and free its blocks; it will be computed again from its tokens."""

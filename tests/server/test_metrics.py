@@ -83,13 +83,13 @@ def test_dashboard_data(fresh):
 @pytest.fixture(scope="module")
 def benched(smollm):
     """A server that has served nothing but one `wafer bench` run: streamed chat requests of 800
-    prompt tokens, so that each first token waits for several steps of prefill. One at a time: the
-    engine steps on the server's event loop, so a request that arrives during a step is seen only
-    when the step ends, which no clock on the server can see past (the issue's isolation work).
-    Yields the server, the run's records and its report."""
-    s = start_server(smollm)
-    prompts = synthetic(s.served.tokenizer, 5, 800, 8, seed=19)
-    cfg = LoadConfig(s.base_url + "/v1", MODEL, concurrency=1, ignore_eos=True, timeout=300)
+    prompt tokens, four at a time on a server that runs two, so that first tokens wait behind other
+    requests' prefill and in the queue, and requests arrive while steps compute (the engine steps on
+    the server's event loop: one that arrives mid-step is stamped when the loop next turns, which the
+    tolerance covers). Yields the server, the run's records and its report."""
+    s = start_server(smollm, max_running=2)
+    prompts = synthetic(s.served.tokenizer, 12, 800, 8, seed=19)
+    cfg = LoadConfig(s.base_url + "/v1", MODEL, concurrency=4, ignore_eos=True, timeout=300)
     records, duration = run_async(run_load(cfg, prompts))
     yield s, records, cell_stats(records, duration, None)
     s.stop()

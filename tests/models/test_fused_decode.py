@@ -26,10 +26,10 @@ NATS = math.sqrt(2) * TOLERANCE_NATS  # 1.24
 
 
 def decode_logits(loaded, prompts: list[list[int]], steps: int, variant: str,
-                  kv_dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                  kv_dtype: torch.dtype = torch.float32, max_len: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill the prompts, then decode them together; at each step the fused (in `variant`) and
     the Python logits."""
-    kv = KVCache(loaded.config, len(prompts), 256, dtype=kv_dtype)
+    kv = KVCache(loaded.config, len(prompts), max_len, dtype=kv_dtype)
     runner = ModelRunner(loaded.model, kv)
     assert runner.fused is not None  # the active variant's
     runner.fused = FusedDecode.build(loaded.model, kv.layers, load(variant))

@@ -6,7 +6,8 @@ step of these paths: decodes, draft verification and prompt chunks. Each token's
 is its own (its activations' quantisation, its attention over its slot up to its position), so a
 token's logits and KV entries do not depend on what else the step holds: a prompt gives bitwise the
 same answer whole or chunked, cached or not, alone or batched, with or without speculation. Other
-compute paths and WAFER_KERNELS=off run the Python model.
+compute paths and WAFER_KERNELS=off run the Python model. Both families run here: the Llama
+block, and Gemma 3's (its head and output norms, GeGLU, and two RoPE bases) by the same step.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from types import ModuleType
 
 import torch
 
+from wafer.models.gemma3 import Gemma3Block, Gemma3Model
 from wafer.models.kernels import kernels
 from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
+
 
 def _linear(mod: object) -> list[torch.Tensor] | None:
     if not isinstance(mod, BlockLinear):
@@ -25,23 +28,39 @@ def _linear(mod: object) -> list[torch.Tensor] | None:
     return [mod.packed, mod.bias.detach() if mod.bias is not None else torch.empty(0)]
 
 
+def _norms(layer: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A block's norm weights as the C++ step takes them: the two before attention and before the
+    MLP, and Gemma 3's four more (query and key heads, attention and MLP outputs)."""
+    if isinstance(layer, Gemma3Block):
+        attn = layer.self_attn
+        return ([layer.input_layernorm.weight, layer.pre_feedforward_layernorm.weight],
+                [attn.q_norm.weight, attn.k_norm.weight, layer.post_attention_layernorm.weight,
+                 layer.post_feedforward_layernorm.weight])
+    return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight], []
+
+
 class FusedDecode:
-    def __init__(self, model: LlamaModel, ext, tensors: list[torch.Tensor], out_features: list[int]) -> None:
+    def __init__(self, model: LlamaModel | Gemma3Model, ext, tensors: list[torch.Tensor], out_features: list[int]) -> None:
         self.model = model
         self.ext = ext
-        self.tensors = tensors  # per layer: its weights, then its K and V caches; then the head
+        self.tensors = tensors  # per layer: its weights, then its K and V caches (then Gemma's norms); then the head
         self.out_features = out_features
         cfg = model.config
-        self.args = (float(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window or 0)
+        self.gemma = isinstance(model, Gemma3Model)
+        windows = [layer.self_attn.window or 0 for layer in model.layers]  # a pipeline stage's own layers
+        local = [int(self.gemma and w > 0) for w in windows]  # Gemma 3's windowed layers take the local base
+        scale = model.layers[0].self_attn.scale if len(model.layers) else cfg.head_dim**-0.5
+        self.args = (float(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, local,
+                     16 if self.gemma else 12, self.gemma, float(scale))
 
     @classmethod
-    def build(cls, model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def build(cls, model: LlamaModel | Gemma3Model, caches: list[tuple[torch.Tensor, torch.Tensor]],
               ext: ModuleType | None = None) -> FusedDecode | None:
         """For the model and its KV cache, on the active kernel variant or `ext` (one of
         kernels.load()'s); None unless every linear layer runs on wafer's block kernels (the q4 and
         q8 paths)."""
         ext = ext or kernels()
-        if ext is None or not isinstance(model, LlamaModel):  # the C++ step is the Llama block (Gemma 3 is not)
+        if ext is None or not isinstance(model, (LlamaModel, Gemma3Model)):
             return None
         # A pipeline stage before the last has no head: the step returns its hidden states.
         head = _linear(model.lm_head) if model.lm_head is not None else []
@@ -52,8 +71,9 @@ class FusedDecode:
             parts = [_linear(mod) for mod in mods]
             if head is None or any(p is None for p in parts):
                 return None
-            flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                     *[t for p in parts for t in p], k_cache, v_cache]  # type: ignore[union-attr]
+            before, extra = _norms(layer)
+            flat += [w.detach() for w in before] + [t for p in parts for t in p] + [k_cache, v_cache]  # type: ignore[union-attr]
+            flat += [w.detach() for w in extra]
             out_features += [mod.out_features for mod in mods]
         if model.lm_head is not None:
             out_features.append(model.lm_head.out_features)
@@ -65,7 +85,20 @@ class FusedDecode:
         """Logits [len(rows), vocab] for those of M tokens, each at its own (slot, position); the
         caches are pools of blocks, and `tables` [slots, max_blocks] lists each slot's blocks. A
         pipeline stage goes on from `hidden`, and without a head returns hidden states [M, hidden]."""
-        rotary = self.model.rotary
-        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
-        return self.ext.decode_step(x, positions, slots, rotary.cos, rotary.sin, tables, self.tensors, self.out_features,
-                                    self.model.norm.weight.detach(), *self.args, rows)
+        model = self.model
+        none = torch.empty(0)
+        if self.gemma:
+            # Gemma's angles are made for the step's positions (a 32K table of both bases would
+            # outweigh the 270M model), the same way its Python forward makes them.
+            x = model.embed_tokens(input_ids) if hidden is None else hidden
+            if hidden is None:
+                x = x * model.embed_scale.to(x.dtype)
+            n = positions.numel()
+            cos, sin = (t.reshape(n, -1) for t in model.rotary.tables(positions))
+            cos_l, sin_l = (t.reshape(n, -1) for t in model.rotary_local.tables(positions))
+            rope = (cos, sin, cos_l, sin_l, torch.arange(n))
+        else:
+            x = model.embed_tokens(input_ids) if hidden is None else hidden
+            rope = (model.rotary.cos, model.rotary.sin, none, none, none)
+        return self.ext.decode_step(x, positions, slots, *rope, tables, self.tensors, self.out_features,
+                                    model.norm.weight.detach(), *self.args, rows)

@@ -9,9 +9,9 @@ global ones (RoPE base `rope_theta`, with the file's RoPE scaling), five of the 
 the second. Norm weights are used as stored: llama.cpp's converter folds Gemma's (1 + weight) into
 the GGUF's norm tensors (transformers' GGUF loader subtracts the 1 again for its own RMSNorm).
 
-Module names follow llama.py's (fused qkv_proj and gate_up_proj) so that the loaders and the q4/q8
-block path treat both families alike; the fused C++ step knows only the Llama block and is not
-built for this one (fused_decode.py).
+Module names follow llama.py's (fused qkv_proj and gate_up_proj) so that the loaders, the q4/q8
+block path and the fused C++ step (fused_decode.py, which takes this block's extra norms, GeGLU and
+second RoPE base) treat both families alike.
 """
 
 from __future__ import annotations

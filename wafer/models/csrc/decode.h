@@ -44,6 +44,21 @@ inline void silu_mul(const float* gu, float* y, int64_t rows, int64_t inter) {
     }
 }
 
+// y = gelu(gate) * up for rows of [gate | up], GELU's tanh form (Gemma's GeGLU):
+// 0.5 g (1 + tanh(z)) with z = sqrt(2/pi) (g + 0.044715 g^3), tanh(z) = 1 - 2 / (e^(2z) + 1).
+inline void gelu_mul(const float* gu, float* y, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            const simd::F gv = simd::load_n(g + i, inter - i);
+            const simd::F z = simd::set1(0.7978845608028654f) * simd::fma(simd::set1(0.044715f) * gv, gv * gv, gv);
+            const simd::F t = simd::set1(1.0f) - simd::set1(2.0f) / (simd::exp(z + z) + simd::set1(1.0f));
+            simd::store_n(y + r * inter + i, simd::set1(0.5f) * gv * (simd::set1(1.0f) + t) * simd::load_n(u + i, inter - i),
+                          inter - i);
+        }
+    }
+}
+
 // p[0..n) = exp(p - max p); returns their sum
 inline float softmax_exp(float* p, int64_t n) {
     simd::F mx = simd::set1(-INFINITY);
@@ -198,9 +213,21 @@ struct Linear {
 };
 
 struct Layer {
-    const float *input_norm, *post_norm;
+    const float *input_norm, *post_norm;  // before attention, before the MLP
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;  // pools of blocks: [kv_heads, blocks, block, row] of Dims::kv_type rows
+    // Gemma 3's block has these too (nullptr: the Llama block): an RMSNorm over each query and key
+    // head before RoPE, and one over the attention's and the MLP's outputs before the residual add.
+    const float *q_norm = nullptr, *k_norm = nullptr, *attn_out_norm = nullptr, *mlp_out_norm = nullptr;
+    int64_t window = 0;      // this layer's attention window (0: Dims::window)
+    bool local_rope = false;  // RoPE from Rope's second tables (Gemma 3's windowed layers)
+};
+
+// Where each token's rotary angles lie: the tables' row of its position, or (`row`) a row of its
+// own, for tables made per step; and a second pair of tables for the layers of a second base.
+struct Rope {
+    const float *cos_local = nullptr, *sin_local = nullptr;
+    const int64_t* row = nullptr;  // nullptr: a token's row is its position
 };
 
 // Where a sequence's positions lie in the pools: position p of the sequence whose table row is
@@ -218,21 +245,24 @@ struct Dims {
     int64_t hidden, n_heads, n_kv, head_dim, window;  // window 0: none
     float eps;
     KVType kv_type = KVType::f32;
+    bool gelu = false;        // the MLP's gate: GELU (tanh form), else SiLU
+    float attn_scale = 0.0f;  // queries' scale (0: 1 / sqrt(head_dim))
 };
 
 // x [M, hidden]: the tokens' embeddings, at positions pos[M] of slots slot[M]; cos, sin
-// [max_pos, head_dim]. Writes logits [n_out, head.out] for the rows out[0..n_out) (a prompt chunk
-// samples from its last token only, and the head is a fifth of a small model's weights). Without a
-// head (head.packed null: a pipeline stage before the last) it writes every row's hidden state
-// [M, hidden] instead, unnormed, for the next stage to go on from.
+// [rows, head_dim], a token's row its position (or rope.row's). Writes logits [n_out, head.out]
+// for the rows out[0..n_out) (a prompt chunk samples from its last token only, and the head is a
+// fifth of a small model's weights). Without a head (head.packed null: a pipeline stage before the
+// last) it writes every row's hidden state [M, hidden] instead, unnormed, for the next stage.
 template <class T>
 inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
                           const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
-                          const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits) {
+                          const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits,
+                          const Rope& rope) {
     const int64_t hidden = dims.hidden, n_heads = dims.n_heads, n_kv = dims.n_kv, head_dim = dims.head_dim;
     const int64_t group = n_heads / n_kv, q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;
     const int64_t row = q_dim + 2 * kv_dim;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    const float scale = dims.attn_scale > 0.0f ? dims.attn_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
     std::vector<float> h(x, x + M * hidden), xn(M * hidden), attn(M * q_dim), tmp(M * hidden);
     std::vector<float> qkv, gu, act;
     int64_t max_ctx = 0;
@@ -255,11 +285,18 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
         rms_norm(h.data(), L.input_norm, xn.data(), M, hidden, dims.eps);
         qkv.resize(M * row);
         L.qkv(xn.data(), M, qkv.data());
+        const bool local = L.local_rope && rope.cos_local != nullptr;
+        const int64_t window = L.window > 0 ? L.window : dims.window;
         for (int64_t m = 0; m < M; ++m) {
             float* r = qkv.data() + m * row;
-            const float* c = C + pos[m] * head_dim;
-            const float* s = S + pos[m] * head_dim;
-            for (int64_t hd = 0; hd < n_heads + n_kv; ++hd) rope(r + hd * head_dim, c, s, head_dim);
+            if (L.q_norm != nullptr) {
+                rms_norm(r, L.q_norm, r, n_heads, head_dim, dims.eps);
+                rms_norm(r + q_dim, L.k_norm, r + q_dim, n_kv, head_dim, dims.eps);
+            }
+            const int64_t at_row = rope.row != nullptr ? rope.row[m] : pos[m];
+            const float* c = (local ? rope.cos_local : C) + at_row * head_dim;
+            const float* s = (local ? rope.sin_local : S) + at_row * head_dim;
+            for (int64_t hd = 0; hd < n_heads + n_kv; ++hd) wafer::rope(r + hd * head_dim, c, s, head_dim);
             for (int64_t kh = 0; kh < n_kv; ++kh) {
                 const int64_t o = at(m, kh, pos[m]);
                 kv_store(Kc + o, r + q_dim + kh * head_dim, head_dim);
@@ -273,7 +310,7 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
             for (int64_t i = i0; i < i1; ++i) {
                 const int64_t m = i / n_heads, hq = i % n_heads, kh = hq / group;
                 const float* q = QKV + m * row + hq * head_dim;
-                const int64_t end = pos[m] + 1, start = dims.window > 0 ? std::max<int64_t>(0, end - dims.window) : 0;
+                const int64_t end = pos[m] + 1, start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
                 // A block at a time: its keys (and values) of one head are contiguous.
                 for (int64_t j0 = start; j0 < end;) {
                     const T* K = Kc + at(m, kh, j0);
@@ -289,14 +326,19 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
             }
         });
         L.o(attn.data(), M, tmp.data());
+        if (L.attn_out_norm != nullptr) rms_norm(tmp.data(), L.attn_out_norm, tmp.data(), M, hidden, dims.eps);
         add_into_h(tmp.data());
         rms_norm(h.data(), L.post_norm, xn.data(), M, hidden, dims.eps);
         const int64_t inter = L.gate_up.out / 2;
         gu.resize(M * 2 * inter);
         act.resize(M * inter);
         L.gate_up(xn.data(), M, gu.data());  // [M, 2 inter]: gate then up
-        silu_mul(gu.data(), act.data(), M, inter);
+        if (dims.gelu)
+            gelu_mul(gu.data(), act.data(), M, inter);
+        else
+            silu_mul(gu.data(), act.data(), M, inter);
         L.down(act.data(), M, tmp.data());
+        if (L.mlp_out_norm != nullptr) rms_norm(tmp.data(), L.mlp_out_norm, tmp.data(), M, hidden, dims.eps);
         add_into_h(tmp.data());
     }
     if (head.packed == nullptr) {
@@ -311,14 +353,15 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
 // The step on caches of dims.kv_type.
 inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
                         const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
-                        const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits) {
+                        const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits,
+                        const Rope& rope = Rope{}) {
     switch (dims.kv_type) {
         case KVType::f32:
-            return decode_step_t<float>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits);
+            return decode_step_t<float>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope);
         case KVType::bf16:
-            return decode_step_t<Bf16>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits);
+            return decode_step_t<Bf16>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope);
         case KVType::i8:
-            return decode_step_t<int8_t>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits);
+            return decode_step_t<int8_t>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope);
     }
 }
 

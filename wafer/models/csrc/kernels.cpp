@@ -36,24 +36,35 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
     return y;
 }
 
-// x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [max_pos, head_dim].
-// tables [slots, max_blocks] int64: each slot's blocks in position order (kv_cache.py).
-// layers: per layer 2 norm weights, 4 linears (qkv, o, gate_up, down) of 2 tensors each (packed
-// blocks, bias or an empty tensor), then the layer's K and V pools [kv_heads, blocks, block,
-// head_dim] (float32 or bfloat16; int8 rows carry 4 more bytes, their float32 scale): 12 tensors a layer; after the last layer the output head's 2. out_features: each
-// linear's output size, in the same order. norm: the final norm's weight. Returns logits
-// [len(logit_rows), vocab] for those rows of x (none when it is empty: a prompt chunk before the last).
-// Without the head's 2 tensors (a pipeline stage before the last) it returns every row's hidden
-// state [M, hidden] after the layers, for the next stage.
+// x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [rows, head_dim]:
+// a token's rotary angles are the row of its position, or, when rope_rows [M] int64 is not empty,
+// the row it names (tables made for the step); cos_local, sin_local (empty: none) are the tables of
+// the layers with local_rope (Gemma 3's windowed layers). tables [slots, max_blocks] int64: each
+// slot's blocks in position order (kv_cache.py).
+// layers: per layer 2 norm weights (before attention, before the MLP), 4 linears (qkv, o, gate_up,
+// down) of 2 tensors each (packed blocks, bias or an empty tensor), then the layer's K and V pools
+// [kv_heads, blocks, block, head_dim] (float32 or bfloat16; int8 rows carry 4 more bytes, their
+// float32 scale): 12 tensors a layer; with per_layer 16 (Gemma 3), 4 more: the query and key head
+// norms and the norms of the attention's and the MLP's outputs. After the last layer the output
+// head's 2. out_features: each linear's output size, in the same order. windows: each layer's
+// attention window (0: none); local_rope: whether it takes cos_local and sin_local. norm: the final
+// norm's weight. gelu: the MLP's gate is GELU (tanh form), not SiLU. attn_scale: the queries' scale
+// (0: 1 / sqrt(head_dim)). Returns logits [len(logit_rows), vocab] for those rows of x (none when it
+// is empty: a prompt chunk before the last). Without the head's 2 tensors (a pipeline stage before
+// the last) it returns every row's hidden state [M, hidden] after the layers, for the next stage.
 torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
-                          torch::Tensor sin, torch::Tensor tables, std::vector<torch::Tensor> layers,
-                          std::vector<int64_t> out_features,
+                          torch::Tensor sin, torch::Tensor cos_local, torch::Tensor sin_local, torch::Tensor rope_rows,
+                          torch::Tensor tables, std::vector<torch::Tensor> layers, std::vector<int64_t> out_features,
                           torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                          int64_t window, torch::Tensor logit_rows) {
-    TORCH_CHECK(layers.size() % 12 == 2 || layers.size() % 12 == 0, "12 tensors per layer and 2 for the head, if any");
-    const bool has_head = layers.size() % 12 == 2;
-    const int64_t n_layers = static_cast<int64_t>(layers.size()) / 12;
+                          std::vector<int64_t> windows, std::vector<int64_t> local_rope, int64_t per_layer, bool gelu,
+                          double attn_scale, torch::Tensor logit_rows) {
+    TORCH_CHECK(per_layer == 12 || per_layer == 16, "12 tensors per layer (16 with Gemma 3's norms)");
+    TORCH_CHECK(layers.size() % per_layer == 2 || layers.size() % per_layer == 0, "tensors per layer, and 2 for the head, if any");
+    const bool has_head = static_cast<int64_t>(layers.size()) % per_layer == 2;
+    const int64_t n_layers = static_cast<int64_t>(layers.size()) / per_layer;
     TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + (has_head ? 1 : 0), "an output size per linear");
+    TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers && static_cast<int64_t>(local_rope.size()) == n_layers,
+                "a window and a RoPE choice per layer");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, hidden] float32");
     TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
                 positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
@@ -71,12 +82,30 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
     const int64_t row = kv_type == wafer::KVType::i8 ? head_dim + 4 : head_dim;
     TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 && tables.is_contiguous(),
                 "tables: contiguous [slots, max_blocks] int64");
-    TORCH_CHECK(cos.size(0) == sin.size(0), "cos, sin: [max_pos, head_dim]");
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
+                sin.scalar_type() == torch::kFloat32, "cos, sin: [rows, head_dim] float32");
+    const bool two_bases = cos_local.numel() > 0;
+    if (two_bases) {
+        cos_local = cos_local.contiguous();
+        sin_local = sin_local.contiguous();
+        TORCH_CHECK(cos_local.sizes() == cos.sizes() && sin_local.sizes() == cos.sizes() &&
+                    cos_local.scalar_type() == torch::kFloat32 && sin_local.scalar_type() == torch::kFloat32,
+                    "cos_local, sin_local: as cos");
+    }
+    const bool own_rows = rope_rows.numel() > 0;
+    if (own_rows) {
+        TORCH_CHECK(rope_rows.scalar_type() == torch::kInt64 && rope_rows.numel() == x.size(0), "rope_rows: [M] int64");
+        rope_rows = rope_rows.contiguous();
+        const int64_t* r = rope_rows.data_ptr<int64_t>();
+        for (int64_t m = 0; m < x.size(0); ++m) TORCH_CHECK(r[m] >= 0 && r[m] < cos.size(0), "rope_rows: a row of cos");
+    }
     {  // every block a token writes or reads must lie in the pools
         const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
         const int64_t* t = tables.data_ptr<int64_t>();
         for (int64_t m = 0; m < x.size(0); ++m) {
-            TORCH_CHECK(slot[m] >= 0 && slot[m] < tables.size(0) && pos[m] >= 0 && pos[m] < cos.size(0) &&
+            TORCH_CHECK(slot[m] >= 0 && slot[m] < tables.size(0) && pos[m] >= 0 && (own_rows || pos[m] < cos.size(0)) &&
                         pos[m] / block < tables.size(1), "a token's slot or position lies outside the tables");
             for (int64_t i = 0; i <= pos[m] / block; ++i)
                 TORCH_CHECK(t[slot[m] * tables.size(1) + i] >= 0 && t[slot[m] * tables.size(1) + i] < n_blocks,
@@ -90,9 +119,13 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
         return wafer::Linear{packed.data_ptr<uint8_t>(), bits_of(packed), bias.numel() ? bias.data_ptr<float>() : nullptr,
                              in, out};
     };
+    auto weight = [&](const torch::Tensor& w, int64_t n) {
+        TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == n, "a norm's weight: float32 [n]");
+        return w.data_ptr<float>();
+    };
     std::vector<wafer::Layer> ls;
     for (int64_t l = 0; l < n_layers; ++l) {
-        const size_t b = 12 * l;
+        const size_t b = per_layer * l;
         const int64_t* nout = out_features.data() + 4 * l;
         torch::Tensor kc = layers[b + 10], vc = layers[b + 11];
         TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(0) == n_kv &&
@@ -100,22 +133,41 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                     kc.scalar_type() == kv_dtype && vc.scalar_type() == kv_dtype,
                     "KV caches: contiguous [kv_heads, blocks, block, head_dim (+4 for int8's scale)], all of one dtype");
         TORCH_CHECK(kc.size(1) == n_blocks, "every layer's pool has the same blocks");
-        ls.push_back({layers[b].data_ptr<float>(), layers[b + 1].data_ptr<float>(), lin(b + 2, hidden, nout[0]),
-                      lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
-                      kc.data_ptr(), vc.data_ptr()});
+        wafer::Layer L{weight(layers[b], hidden), weight(layers[b + 1], hidden), lin(b + 2, hidden, nout[0]),
+                       lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
+                       kc.data_ptr(), vc.data_ptr()};
+        if (per_layer == 16) {
+            L.q_norm = weight(layers[b + 12], head_dim);
+            L.k_norm = weight(layers[b + 13], head_dim);
+            L.attn_out_norm = weight(layers[b + 14], hidden);
+            L.mlp_out_norm = weight(layers[b + 15], hidden);
+        }
+        TORCH_CHECK(windows[l] >= 0, "a window is 0 (none) or more");
+        L.window = windows[l];
+        L.local_rope = local_rope[l] != 0;
+        TORCH_CHECK(!L.local_rope || two_bases, "a layer takes cos_local, which is empty");
+        ls.push_back(L);
     }
-    const wafer::Linear head = has_head ? lin(12 * n_layers, hidden, out_features.back()) : wafer::Linear{nullptr, 8, nullptr, hidden, hidden};
+    const wafer::Linear head = has_head ? lin(per_layer * n_layers, hidden, out_features.back()) : wafer::Linear{nullptr, 8, nullptr, hidden, hidden};
     TORCH_CHECK(logit_rows.scalar_type() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows: [R] int64");
     logit_rows = logit_rows.contiguous();
     const int64_t* rows = logit_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < logit_rows.numel(); ++i) TORCH_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "logit_rows: a row of x");
     auto logits = has_head ? torch::empty({logit_rows.numel(), head.out}, torch::kFloat32)
                            : torch::empty({x.size(0), hidden}, torch::kFloat32);
-    const wafer::Dims dims{hidden, n_heads, n_kv, head_dim, window, static_cast<float>(eps), kv_type};
+    wafer::Dims dims{hidden, n_heads, n_kv, head_dim, 0, static_cast<float>(eps), kv_type};
+    dims.gelu = gelu;
+    dims.attn_scale = static_cast<float>(attn_scale);
+    wafer::Rope rope;
+    if (two_bases) {
+        rope.cos_local = cos_local.data_ptr<float>();
+        rope.sin_local = sin_local.data_ptr<float>();
+    }
+    if (own_rows) rope.row = rope_rows.data_ptr<int64_t>();
     wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                        wafer::Tables{tables.data_ptr<int64_t>(), tables.size(1), block, n_blocks},
-                       cos.contiguous().data_ptr<float>(), sin.contiguous().data_ptr<float>(), ls,
-                       norm.data_ptr<float>(), head, dims, rows, logit_rows.numel(), logits.data_ptr<float>());
+                       cos.data_ptr<float>(), sin.data_ptr<float>(), ls, weight(norm, hidden), head, dims, rows,
+                       logit_rows.numel(), logits.data_ptr<float>(), rope);
     return logits;
 }
 

@@ -6,8 +6,9 @@
    1,000 prompt tokens that share a 600-token prefix, with prefix caching and without, against what
    their live tokens need.
 3. How many 4,096-token sequences fit in a 1 GB KV budget, for each dtype.
-4. Decode tokens/s at contexts of 128, 2,048 and 8,128 tokens (the model's 8,192 less the output) for each KV dtype, against
-   llama-cpp-python on the same GGUF at the same context (its default KV type, f16).
+4. Decode tokens/s at contexts of 128, 2,048 and 8,128 tokens (the default model's 8,192 less the
+   output) for each KV dtype, for both models, against llama-cpp-python on the same GGUF at the
+   same context (its default KV type, f16).
 
 Run on a quiet machine: `python bench/kv_memory.py` (add --quick for contexts 128 and 2,048 only).
 """
@@ -146,24 +147,26 @@ def wafer_decode(loaded, dtype: str, context: int, n_new: int = 32) -> float:
 
 
 def decode_table(contexts: list[int]) -> None:
-    loaded = load_model(compute="auto")
-    llama = LlamaCpp(n_ctx=max(contexts) + 64) if available() else None
-    rows = []
-    for ctx in contexts:
-        base = None
+    for name, path in models():
+        loaded = load_model(str(path), compute="auto")
+        llama = LlamaCpp(n_ctx=max(contexts) + 64, model=str(path)) if available() else None
+        rows = []
+        for ctx in contexts:
+            base = None
+            if llama is not None:
+                prompt = [1] + [100 + (i * 37) % 20000 for i in range(ctx - 1)]
+                out = llama.generate(prompt, 32, stop_at_eos=False)
+                base = (len(out["tokens"]) - 1) / out["after_first"]
+            for dtype in KV_DTYPES:
+                tps = wafer_decode(loaded, dtype, ctx)
+                rows.append([str(ctx), dtype, f"{tps:.1f}", f"{base:.1f}" if base else "n/a",
+                             f"{tps / base:.2f}x" if base else "n/a"])
         if llama is not None:
-            prompt = [1] + [100 + (i * 37) % 20000 for i in range(ctx - 1)]
-            out = llama.generate(prompt, 32, stop_at_eos=False)
-            base = (len(out["tokens"]) - 1) / out["after_first"]
-        for dtype in KV_DTYPES:
-            tps = wafer_decode(loaded, dtype, ctx)
-            rows.append([str(ctx), dtype, f"{tps:.1f}", f"{base:.1f}" if base else "n/a",
-                         f"{tps / base:.2f}x" if base else "n/a"])
-    if llama is not None:
-        llama.close()
-    print(f"\nDecode at a context, default model on {loaded.compute} ({loaded.kernels}); llama.cpp native build, "
-          "f16 KV, same GGUF")
-    print(table(["context", "wafer KV", "wafer tok/s", "llama.cpp tok/s", "ratio"], rows))
+            llama.close()
+        print(f"\nDecode at a context, {name} on {loaded.compute} ({loaded.kernels}); llama.cpp native build, "
+              "f16 KV, same GGUF")
+        print(table(["context", "wafer KV", "wafer tok/s", "llama.cpp tok/s", "ratio"], rows))
+        del loaded
 
 
 def main() -> None:

@@ -71,6 +71,69 @@ def test_config_is_gemma3_270m(f32):
     assert c.rope_theta == 1e6 and c.extra["rope_local_theta"] == 1e4 and c.tie_word_embeddings
 
 
+# The form of Gemma 3's instruction-tuned models' template: no system turn (a system message is
+# folded into the first user turn), the assistant's turns under the role "model", text parts trimmed,
+# images as <start_of_image>. The 270M file is a base model and carries no template; files that do
+# are rendered by the generic Jinja renderer, held here against transformers' own.
+GEMMA_IT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- else -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"""
+
+
+def test_a_gemma_chat_template_renders_as_transformers_does(f32):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from wafer.models.chat_template import ChatTemplate, TemplateError
+
+    tok = f32.tokenizer
+    bos = tok.bos_token
+    template = ChatTemplate(GEMMA_IT_TEMPLATE, bos_token=bos)
+    chat = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": [{"type": "text", "text": " What is 2+2? "}]},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3+3?"}]
+    mine = template.render(chat)
+    theirs = render_jinja_template([chat], chat_template=GEMMA_IT_TEMPLATE, add_generation_prompt=True,
+                                   bos_token=bos)
+    theirs = theirs[0][0] if isinstance(theirs, tuple) else theirs
+    assert mine == theirs
+    assert mine.endswith("<end_of_turn>\n<start_of_turn>model\n") and "user\nAnswer briefly.\n\nWhat is 2+2?" in mine
+    ids = tok.encode(mine, add_special_tokens=False)  # the template writes the BOS itself
+    turn_ids = {tok.tokenizer.token_to_id("<start_of_turn>"), tok.tokenizer.token_to_id("<end_of_turn>")}
+    assert None not in turn_ids and ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    # Three turns' markers and the reply's opening, each the vocabulary's own token, not spelled out.
+    assert sum(i in turn_ids for i in ids) == 7
+    with pytest.raises(TemplateError, match="alternate"):
+        template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
 def test_sentencepiece_without_space_prefix(f32):
     # Gemma's file sets tokenizer.ggml.add_space_prefix false: "The" at the start is not "▁The".
     tok = f32.tokenizer

@@ -158,6 +158,8 @@ def decode_table(contexts: list[int]) -> None:
                 out = llama.generate(prompt, 32, stop_at_eos=False)
                 base = (len(out["tokens"]) - 1) / out["after_first"]
             for dtype in KV_DTYPES:
+                if dtype == "fp8":  # for GPUs; the CPU's fused step reads the others
+                    continue
                 tps = wafer_decode(loaded, dtype, ctx)
                 rows.append([str(ctx), dtype, f"{tps:.1f}", f"{base:.1f}" if base else "n/a",
                              f"{tps / base:.2f}x" if base else "n/a"])

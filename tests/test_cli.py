@@ -29,8 +29,8 @@ def test_info_gemma3_splits_kv_bytes_by_layer_type():
     assert r.returncode == 0, r.stderr
     assert "gemma3" in r.stdout and "4 query, 1 KV (head dim 256)" in r.stdout
     # 2 (K and V) x 1 KV head x 256 x 2 bytes (bfloat16, auto on its q8 path) = 1,024 a layer; 3 global of 18;
-    # int8 rows are 256 codes and a 4-byte scale
-    assert ("18,432 bf16 (auto), 36,864 f32, 9,360 int8; at bf16: global 3 layers x 1,024 = 3,072; "
+    # int8 and fp8 rows are 256 codes and a 4-byte scale
+    assert ("18,432 bf16 (auto), 36,864 f32, 9,360 int8, 9,360 fp8; at bf16: global 3 layers x 1,024 = 3,072; "
             "windowed (512 tokens) 15 layers x 1,024 = 15,360") in r.stdout
 
 

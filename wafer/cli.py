@@ -287,9 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN, help="context to allocate per sequence")
     s.add_argument("--max-batched-tokens", type=int, default=defaults.MAX_BATCHED_TOKENS,
                    help="tokens per engine step (prefill chunk)")
-    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "f32", "bf16", "int8"],
-                   help="how keys and values are stored: int8 has a scale per position and head (a quarter of "
-                        "f32's bytes); auto keeps the model's activation type")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "fp8"],
+                   help="how keys and values are stored: int8 and fp8 (e4m3; CUDA, and the CPU's f32 and int8 "
+                        "paths) have a scale per position and head (a quarter of f32's bytes); auto: bf16 on the "
+                        "CPU's quantised paths, else the model's activation type")
     s.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="KV-cache budget per model, e.g. 2GiB or 512MB (default: a quarter of the machine's memory, "
                         "or less when every running sequence fits at its whole context). Past it, new requests "

@@ -83,3 +83,24 @@ def test_engine_on_cuda_gives_the_cpu_greedy_tokens(tmp_path):
         outputs[device] = [s.output_ids for s in engine.generate(PROMPTS, params)]
         assert engine.kv.num_used == 0
     assert outputs["cuda"] == outputs["cpu"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_fp8_kv_on_cuda_gives_the_cpu_fp8_greedy_tokens(tmp_path):
+    """fp8 KV (e4m3 codes and a scale per position and head) through the GPU's engine, graphs
+    included, against the same rows written and read on the CPU's Python path: float32 arithmetic on
+    both sides around the same rounding, so greedy tokens agree."""
+    from tests.tiny import make_hf_model
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+
+    path = str(make_hf_model(tmp_path, "llama", seed=5))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        loaded = load_model(path, compute="f32", device=device)
+        engine = LLMEngine(loaded, EngineConfig(max_running=4, max_model_len=128, max_batched_tokens=8,
+                                                kv_cache_dtype="fp8"))
+        assert engine.kv.layers[0][0].dtype == torch.float8_e4m3fn
+        outputs[device] = [s.output_ids for s in engine.generate(PROMPTS, params)]
+    assert outputs["cuda"] == outputs["cpu"]

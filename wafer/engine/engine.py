@@ -46,7 +46,7 @@ class EngineConfig:
     # Bytes of KV the cache may hold (default: default_kv_budget(), or less when every running
     # sequence fits at max_model_len). The pool takes memory only as its blocks are first written.
     kv_cache_memory: int | None = None
-    kv_cache_dtype: str = "auto"  # f32, bf16 or int8 (scales per position and head); see kv_dtype()
+    kv_cache_dtype: str = "auto"  # f32, bf16, int8 or fp8 (scales per position and head); see kv_dtype()
     max_batched_tokens: int = defaults.MAX_BATCHED_TOKENS  # per step: decode tokens plus prefill chunks
     prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
     # Seconds of prompt work a step may take (None: no limit). The server sets it so that one
@@ -77,6 +77,12 @@ def kv_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
         return activations
     if name not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_DTYPES)}, not {name!r}")
+    if name == "fp8" and loaded.model.norm.weight.device.type == "cpu" and loaded.compute in ("q4", "q8"):
+        # The fused step reads f32, bf16 and int8 rows; fp8 is for GPUs (as vLLM offers it), where
+        # it halves bf16's bytes, and runs on the CPU's Python paths too.
+        raise ValueError(f"kv_cache_dtype fp8 runs on CUDA and on the CPU's f32 and int8 paths, not with this "
+                         f"model's {loaded.compute} path on the CPU (its fused step reads f32, bf16 or int8 KV: "
+                         "use int8 for a quarter of f32's bytes)")
     return KV_DTYPES[name]
 
 

@@ -2,8 +2,8 @@
 
 Every layer's keys and values live in one pool of blocks of BLOCK tokens,
 [kv_heads, num_blocks, BLOCK, head_dim] (KV heads are never expanded), in float32, bfloat16, or int8
-with a scale per position and head: an int8 row is head_dim codes and then its float32 scale's 4
-bytes, so that a row is written and read as one piece. A running sequence owns a
+or fp8 (e4m3) with a scale per position and head: such a row is head_dim codes and then its float32
+scale's 4 bytes, so that a row is written and read as one piece. A running sequence owns a
 slot: a row of `tables` listing, in order, the blocks that hold its positions. Blocks are taken
 as its KV grows and given back when it ends, so a budget of blocks bounds what the cache holds,
 not `max_running x max_len`.
@@ -45,12 +45,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return torch.frombuffer(area, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)  # keeps `area` alive
 
 
-KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+SCALED = (torch.int8, torch.float8_e4m3fn)  # codes with a float32 scale per position and head
 
 
 def row_size(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one head's row at one position: int8 rows end with their float32 scale's 4 bytes."""
-    return head_dim + 4 if dtype == torch.int8 else head_dim
+    """Elements of one head's row at one position: int8 and fp8 rows end with their float32 scale's 4 bytes."""
+    return head_dim + 4 if dtype in SCALED else head_dim
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:

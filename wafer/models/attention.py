@@ -1,7 +1,7 @@
 """Attention over a KV cache in blocks, for a flat batch that mixes decode and prefill.
 
 The cache of one layer is a pair of pools shaped [kv_heads, num_blocks, BLOCK, row] (float32,
-bfloat16, or int8 rows of head_dim codes and a float32 scale); a sequence's positions lie in the
+bfloat16, or int8 or fp8 rows of head_dim codes and a float32 scale); a sequence's positions lie in the
 blocks its table lists, in order. Each token's key and value are
 written where its position falls; attention gathers a sequence's blocks into one run (on this path
 a gather is the price of sharing blocks; the fused CPU step reads them in place). Query heads are
@@ -100,21 +100,26 @@ def _gather(pool: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> tor
     g = pool[:, tables]  # [kv, ..., blocks, block, row]
     g = g.movedim(0, -4)  # [..., kv, blocks, block, row]
     g = g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
-    if pool.dtype == torch.int8:
+    if pool.dtype in (torch.int8, torch.float8_e4m3fn):
         return g[..., :-4].to(dtype) * g[..., -4:].contiguous().view(torch.float32).to(dtype)
     return g.to(dtype)
 
 
 def _store(pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
     """Write x [N, kv, D] at (block, offset) per token, rounded to the pool's format: int8 rows get
-    codes of x / scale, scale = max |x| / 127 per token and head, then the scale's bytes."""
-    if pool.dtype != torch.int8:
+    codes of x / scale, scale = max |x| / 127 per token and head, then the scale's bytes; fp8 (e4m3)
+    rows the same with max |x| / 448, its largest finite value, rounded to the nearest code."""
+    if pool.dtype not in (torch.int8, torch.float8_e4m3fn):
         pool[:, blocks, offsets] = x.to(pool.dtype).transpose(0, 1)
         return
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127.0
-    codes = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x)).clamp(-127, 127).to(torch.int8)
-    pool[:, blocks, offsets] = torch.cat((codes, scale.view(torch.int8)), dim=-1).transpose(0, 1)
+    if pool.dtype == torch.int8:
+        scale = x.abs().amax(-1, keepdim=True) / 127.0
+        codes = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x)).clamp(-127, 127).to(torch.int8)
+    else:
+        scale = x.abs().amax(-1, keepdim=True) / 448.0
+        codes = torch.where(scale > 0, x / scale, torch.zeros_like(x)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    pool[:, blocks, offsets] = torch.cat((codes, scale.view(pool.dtype)), dim=-1).transpose(0, 1)
 
 
 def attend(

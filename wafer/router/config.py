@@ -104,7 +104,7 @@ class LocalModelConfig:
     speculative: str = "off"  # off | ngram | draft:NAME
     num_speculative_tokens: int = 5
     prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto | f32 | bf16 | int8
+    kv_cache_dtype: str = "auto"  # auto | f32 | bf16 | int8 | fp8
     sampling: dict[str, float] = field(default_factory=dict)  # over the model's own defaults
     price: dict[str, float] = field(default_factory=dict)  # USD per million tokens, input and output
 
@@ -112,7 +112,7 @@ class LocalModelConfig:
 # Per-model settings besides the integer engine options; the CLI's values are their defaults.
 MODEL_SETTINGS = ("quant", "device", "speculative", "num_speculative_tokens", "prefix_caching", "kv_cache_dtype")
 DEVICES = ("auto", "cpu", "cuda")
-KV_CACHE_DTYPES = ("auto", "f32", "bf16", "int8")
+KV_CACHE_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 
 
 @dataclass

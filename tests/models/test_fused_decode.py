@@ -71,6 +71,18 @@ def test_tiny_models_fused_step_matches_python(tmp_path, arch, kw, variant):
     assert_steps_agree(decode_logits(loaded, prompts, 14, variant))  # past the window of 8
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_long_context_fused_step_matches_python(tmp_path, variant):
+    """A sequence of ~2,100 positions beside a short one: the C++ step's attention over many blocks
+    (each prefetched while the one before is read) gives the Python model's logits."""
+    from tests.tiny import make_hf_model
+
+    loaded = load_model(str(make_hf_model(tmp_path, "llama", seed=3, max_position_embeddings=4096)), compute="q4")
+    g = torch.Generator().manual_seed(7)
+    long = [1] + torch.randint(3, 49152, (2100,), generator=g).tolist()
+    assert_steps_agree(decode_logits(loaded, [long, [1, 88, 77]], 6, variant, max_len=2200))
+
+
 def assert_steps_agree(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Most steps agree to float rounding; in a few, one activation rounds to the next int8 code in
     one path and not the other, which moves these random models' logits by up to ~2.5% of their

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wafer.engine.kv_cache import BLOCK, KVCache, KVCacheFull
+from wafer.engine.kv_cache import (
+    BLOCK,
+    HOLE,
+    KVCache,
+    KVCacheFull,
+    layer_bytes_per_token,
+    plan_blocks,
+    window_blocks,
+)
 from wafer.models.config import ModelConfig
 
 CFG = ModelConfig("llama", 100, 8, 16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
@@ -27,7 +35,7 @@ def fill(kv: KVCache, slot: int, tokens: list[int], n: int) -> None:
 
 def keys(kv: KVCache, slot: int, n: int) -> list[float]:
     """The first key element of the slot's first n positions, read through its table."""
-    table = kv.tables[slot]
+    table = kv.tables[0, slot]
     return [float(kv.layers[0][0][0, table[p // BLOCK], p % BLOCK, 0]) for p in range(n)]
 
 
@@ -122,8 +130,8 @@ def test_tables_are_what_attention_reads() -> None:
     kv = KVCache(CFG, num_slots=2, max_len=64)
     s, _ = kv.allocate()
     kv.reserve(s, 3 * BLOCK)
-    assert kv.tables[s, :3].tolist() == kv.blocks_of(s)
-    assert torch.equal(kv.tables.new_tensor(kv.blocks_of(s)), kv.tables[s, :3])
+    assert kv.tables[0, s, :3].tolist() == kv.blocks_of(s)
+    assert torch.equal(kv.tables.new_tensor(kv.blocks_of(s)), kv.tables[0, s, :3])
 
 
 def test_equal_blocks_computed_in_one_step_are_kept_once() -> None:
@@ -146,3 +154,97 @@ def test_equal_blocks_computed_in_one_step_are_kept_once() -> None:
     kv.free(sa)
     kv.free(sb)
     assert kv.usage == 0.0
+
+
+# Gemma 3's layout in small: windowed layers (a window of two blocks) around a global one.
+WINDOW = 2 * BLOCK
+WINDOWED = ModelConfig("gemma3", 100, 8, 16, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4,
+                       max_position_embeddings=512, layer_windows=[WINDOW, None, WINDOW])
+
+
+def write(kv: KVCache, slot: int, tokens: list[int], start: int, end: int) -> None:
+    """Pretend a step computed tokens[start:end] (keys hold the token id, in every layer, through
+    its group's blocks), then mark them held, as the engine does after a step."""
+    kv.reserve(slot, end)
+    for layer, (k, v) in enumerate(kv.layers):
+        blocks = kv.blocks_of(slot, kv.layer_group[layer])
+        for p in range(start, end):
+            k[:, blocks[p // BLOCK], p % BLOCK] = float(tokens[p])
+            v[:, blocks[p // BLOCK], p % BLOCK] = -float(tokens[p])
+    kv.set_length(slot, end)
+
+
+def read(kv: KVCache, slot: int, layer: int, positions: range) -> list[float]:
+    """Keys of a layer at the positions, read through its group's table as attention does."""
+    table = kv.tables[kv.layer_group[layer], slot]
+    return [float(kv.layers[layer][0][0, table[p // BLOCK], p % BLOCK, 0]) for p in positions]
+
+
+def test_windowed_layers_hold_only_their_window() -> None:
+    kv = KVCache(WINDOWED, num_slots=2, max_len=512, max_step=BLOCK)
+    whole, windowed = kv.groups
+    assert kv.layer_group == [1, 0, 1] and kv.tables.shape == (2, 2, 512 // BLOCK)
+    per_slot = window_blocks(WINDOW, BLOCK)
+    assert whole.num_blocks == 2 * 512 // BLOCK and windowed.num_blocks == 2 * 2 * per_slot
+    tokens = list(range(1, 24 * BLOCK + 1))  # 24 blocks: more than the windowed pool has
+    s, _ = kv.allocate(tokens)
+    for end in range(BLOCK, len(tokens) + 1, BLOCK):
+        write(kv, s, tokens, end - BLOCK, end)
+        held = kv.blocks_of(s, 1)
+        first = max(0, end - WINDOW + 1) // BLOCK  # the block of the next token's window start
+        assert held[:first] == [HOLE] * first and HOLE not in held[first:]
+        assert kv.tables[1, s, :first].tolist() == [0] * first
+        assert len(kv.blocks_of(s, 0)) == end // BLOCK  # the global layer keeps every block
+    # What the next token reads is there: the global layer every position, the windowed ones their window.
+    end = len(tokens)
+    assert read(kv, s, 1, range(end)) == [float(t) for t in tokens]
+    for layer in (0, 2):
+        assert read(kv, s, layer, range(end - WINDOW + 1, end)) == [float(t) for t in tokens[end - WINDOW + 1 :]]
+    assert kv.peak_bytes <= 24 * whole.bytes_per_block + per_slot * windowed.bytes_per_block
+    kv.free(s)
+    assert kv.usage == 0.0 and windowed.num_free == windowed.num_blocks
+
+
+def test_a_prefix_is_found_only_where_its_last_window_is_held() -> None:
+    kv = KVCache(WINDOWED, num_slots=2, max_len=512, max_step=BLOCK)
+    windowed = kv.groups[1]
+    a = list(range(1, 10 * BLOCK + 2))  # ten full blocks and a token
+    s, _ = kv.allocate(a)
+    for end in range(BLOCK, len(a), BLOCK):
+        write(kv, s, a, end - BLOCK, end)
+    write(kv, s, a, 10 * BLOCK, len(a))
+    kv.free(s)
+    b = a[: 10 * BLOCK] + [7] * 5
+    sb, reused = kv.allocate(b)
+    assert reused == 10 * BLOCK  # the windowed layers still hold blocks 8 and 9: the last window
+    first = (10 * BLOCK - WINDOW + 1) // BLOCK
+    assert kv.blocks_of(sb, 1)[:first] == [HOLE] * first
+    for layer in (0, 2):
+        assert read(kv, sb, layer, range(10 * BLOCK - WINDOW + 1, 10 * BLOCK)) == [float(t) for t in a[129:160]]
+    kv.free(sb)
+    # Another sequence takes the windowed pool's storage: the least recently freed of a's windowed
+    # blocks go (0..7, then 9), so the window before position 160 is gone, and no shorter prefix
+    # has its window either, although the global layer still holds all ten blocks.
+    c = [99] * (15 * BLOCK)
+    sc, _ = kv.allocate(c)
+    assert windowed.num_free == windowed.num_blocks == 16 and len(windowed.free_list) == 6
+    kv.reserve(sc, 15 * BLOCK)  # the 6 never used, and 9 of a's 10 cached
+    kv.free(sc)
+    assert kv.block_refs(b) == [0] * 10
+    assert kv.allocate(b)[1] == 0
+
+
+def test_without_windows_every_layer_keeps_the_whole_context() -> None:
+    kv = KVCache(WINDOWED, num_slots=2, max_len=512, windows=False)
+    assert kv.layer_group == [0, 0, 0] and len(kv.groups) == 1
+    assert KVCache(WINDOWED, num_slots=2, max_len=WINDOW).layer_group == [0, 0, 0]  # the window is the whole context
+
+
+def test_the_budget_is_shared_between_the_windowed_and_the_global_layers() -> None:
+    per_layer = layer_bytes_per_token(WINDOWED) * BLOCK
+    windowed_bytes = 2 * 4 * window_blocks(WINDOW, 64) * 2 * per_layer  # 4 slots, twice over, 2 layers
+    budget = windowed_bytes + 40 * per_layer  # and 40 blocks of the one global layer
+    assert plan_blocks(WINDOWED, torch.float32, 4, 512, budget, max_step=64) == 40
+    kv = KVCache(WINDOWED, 4, 512, num_blocks=40, max_step=64)
+    assert kv.capacity_bytes == budget
+    assert plan_blocks(CFG, torch.float32, 4, 512, 10 * 2 * per_layer) == 10  # no window: all to the whole group

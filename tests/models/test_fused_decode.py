@@ -32,7 +32,7 @@ def decode_logits(loaded, prompts: list[list[int]], steps: int, variant: str,
     kv = KVCache(loaded.config, len(prompts), max_len, dtype=kv_dtype)
     runner = ModelRunner(loaded.model, kv)
     assert runner.fused is not None  # the active variant's
-    runner.fused = FusedDecode.build(loaded.model, kv.layers, load(variant))
+    runner.fused = FusedDecode.build(loaded.model, kv.layers, kv.layer_group, load(variant))
     seqs = prefill(runner, kv, prompts)
     out = []
     for _ in range(steps):
@@ -106,7 +106,7 @@ def test_fused_step_is_batch_invariant(smollm, variant):
                for q in ("What is 2+2?", "Name a colour.", "Say hello in French.", "Count to five.")]
     kv = KVCache(q4.config, len(prompts), 256)
     runner = ModelRunner(q4.model, kv)
-    runner.fused = FusedDecode.build(q4.model, kv.layers, load(variant))
+    runner.fused = FusedDecode.build(q4.model, kv.layers, kv.layer_group, load(variant))
     seqs = prefill(runner, kv, prompts)
     for _ in range(3):
         items = decode_items(seqs)

@@ -15,10 +15,13 @@ import torch
 
 from bench.quality import corpus_ids, perplexity
 from tests.models.test_fused_decode import NATS, decode_logits
+from tests.steps import advance, decode_items
 from tests.tiny import hf_from_gguf
-from wafer.engine.kv_cache import KVCache
 from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.sequence import SamplingParams
+from wafer.engine.kv_cache import BLOCK, HOLE, KVCache, window_blocks
+from wafer.engine.runner import ModelRunner
+from wafer.engine.scheduler import ScheduledSeq
+from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.models import catalog
 from wafer.models.fused_decode import FusedDecode
 from wafer.models.gemma3 import Gemma3Model
@@ -246,3 +249,49 @@ def test_prefix_cache_speculation_and_int8_kv_keep_the_greedy_output(q4, prompts
     exact = perplexity(q4, ids, 1024, 512, torch.float32)
     rounded = perplexity(q4, ids, 1024, 512, torch.int8)
     assert rounded != exact and rounded <= 1.005 * exact, (rounded, exact)
+
+
+def windowed_run(loaded: LoadedModel, prompt: list[int], windows: bool, chunk: int = 128,
+                 steps: int = 6) -> tuple[list[torch.Tensor], KVCache]:
+    """The prompt in chunks, then greedy decode steps, each followed by set_length as in the
+    engine (where windowed layers give back what has left their window): each step's logits."""
+    kv = KVCache(loaded.config, 1, 2048, max_step=chunk, windows=windows)
+    runner = ModelRunner(loaded.model, kv)
+    seq = Sequence(list(prompt), SamplingParams())
+    seq.slot, _ = kv.allocate()
+    for start in range(0, len(prompt) - 1, chunk):
+        n = min(chunk, len(prompt) - 1 - start)
+        runner.run([ScheduledSeq(seq, start, n)])
+        kv.set_length(seq.slot, start + n)
+    seq.num_cached = len(prompt) - 1
+    logits = []
+    for _ in range(steps):
+        out = runner.run(decode_items([seq]))
+        logits.append(out[0])
+        advance([seq], out)
+        kv.set_length(seq.slot, seq.num_cached)
+    return logits, kv
+
+
+@pytest.mark.parametrize("which", ["q4", "f32"])  # the fused C++ step, and the Python model
+def test_windowed_layers_hold_their_window_only_and_the_logits_do_not_change(f32, q4, which):
+    """1,200 tokens, past two windows: the windowed layers give their blocks back as the window
+    passes them (their pool, sized for the window, is smaller than the context), and every step's
+    logits equal those of a cache that keeps every token in every layer."""
+    loaded = q4 if which == "q4" else f32
+    assert (ModelRunner(loaded.model, KVCache(loaded.config, 1, 16)).fused is not None) == (which == "q4")
+    prompt = [loaded.tokenizer.bos_id] + corpus_ids(loaded.tokenizer, 1199)
+    kept, whole = windowed_run(loaded, prompt, windows=False)
+    got, kv = windowed_run(loaded, prompt, windows=True)
+    for a, b in zip(got, kept):
+        assert torch.equal(a, b)
+    glob, windowed = kv.groups
+    assert windowed.window == 512 and kv.layer_group.count(1) == 15
+    assert windowed.num_blocks < kv.max_blocks  # the context could not fit without giving blocks back
+    n = len(prompt) + 5
+    held = [b for b in kv.blocks_of(0, 1) if b != HOLE]
+    assert len(held) == -(-n // BLOCK) - windowed.needed_from(n) and len(kv.blocks_of(0, 0)) == -(-n // BLOCK)
+    # At most: the global layers' every block, and the windowed layers' window and a chunk (0.60 of
+    # the whole cache at this length; 32K tokens are the bench's).
+    bound = -(-n // BLOCK) * glob.bytes_per_block + window_blocks(512, 128) * windowed.bytes_per_block
+    assert kv.peak_bytes <= bound < 0.65 * whole.peak_bytes, (kv.peak_bytes, bound, whole.peak_bytes)

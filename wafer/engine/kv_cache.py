@@ -1,24 +1,37 @@
-"""The KV cache in blocks: memory follows the tokens held, and a shared prefix is stored once.
+"""The KV cache in blocks: memory follows the tokens held, a shared prefix is stored once, and
+layers with an attention window hold only that window.
 
 Every layer's keys and values live in one pool of blocks of BLOCK tokens,
-[kv_heads, num_blocks, BLOCK, head_dim] (KV heads are never expanded), in float32, bfloat16, or int8
+[kv_heads, num_blocks, BLOCK, row] (KV heads are never expanded), in float32, bfloat16, or int8
 or fp8 (e4m3) with a scale per position and head: such a row is head_dim codes and then its float32
 scale's 4 bytes, so that a row is written and read as one piece. A running sequence owns a
 slot: a row of `tables` listing, in order, the blocks that hold its positions. Blocks are taken
 as its KV grows and given back when it ends, so a budget of blocks bounds what the cache holds,
 not `max_running x max_len`.
 
-Prefix caching (as in vLLM): each full block that a sequence computed is indexed by a hash chained
-over the whole prefix up to it. A new prompt walks its own chain and references the blocks that
-exist instead of computing or copying them; a block is freed with its last reference, and a freed
-block that is indexed stays findable until its storage is needed (least recently freed first).
-Only blocks before the prompt's last token are shared: that token is always computed (its logits
-give the first output token), so a shared block is never written to.
+Layers come in groups with a pool size and a table each (as vLLM's hybrid allocator does): those
+that attend to the whole context, and those with a window (Mistral's layers, five of Gemma 3's
+six). A windowed group gives a block back as soon as the window has passed it, so a sequence holds
+about `window + step` of its tokens there, and its pool is sized for that: a 32K-token Gemma 3
+context costs its global layers' KV and five windows, not six whole caches. A given-back block's
+entry in the table is a hole (block 0): attention never reads it (the fused step starts at the
+window; the Python path reads and masks it).
+
+Prefix caching (as in vLLM): each full block is indexed by a digest chained over the whole prefix
+up to it (a cryptographic one, so that equal digests mean equal prefixes) and its tokens are
+checked too. A new prompt references the blocks that exist instead of computing or copying them;
+a block is freed with its last reference, and a freed block that is indexed stays findable until
+its storage is needed (least recently freed first). A prefix is found when every whole-context
+group holds all its blocks and every windowed group the blocks of its last window. Only blocks
+before the prompt's last token are shared: that token is always computed (its logits give the
+first output token), so a shared block is never written to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import OrderedDict
 
 import torch
@@ -26,6 +39,8 @@ import torch
 from wafer.models.config import ModelConfig
 
 BLOCK = 16  # tokens per block, hashed and allocated alike
+HOLE = -1  # a windowed group's block given back, in a sequence's list (its table entry is 0)
+MAX_STEP = 256  # default: the most tokens one sequence computes in a step (a prompt chunk)
 
 
 class KVCacheFull(RuntimeError):
@@ -54,51 +69,222 @@ def row_size(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + 4 if dtype in SCALED else head_dim
 
 
+def layer_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of K and V of one layer for one token."""
+    return 2 * cfg.num_kv_heads * row_size(cfg.head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
+
+
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of K and V, all layers, for one token."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * row_size(cfg.head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
+    """Bytes of K and V, all layers, for one token (as a cache without windows holds them)."""
+    return cfg.num_layers * layer_bytes_per_token(cfg, dtype)
+
+
+def layer_groups(cfg: ModelConfig, max_len: int, windows: bool = True) -> tuple[list[int | None], list[int]]:
+    """The groups' windows (None: the whole context, the first group where there is one) and each
+    layer's group. A window as long as the context saves nothing: such a layer joins the whole
+    group, as every layer does without `windows`."""
+    kept = [w if windows and w is not None and w < max_len else None for w in cfg.windows]
+    kinds: list[int | None] = [None] if None in kept else []
+    if any(w is not None for w in kept):
+        kinds.append(max(w for w in kept if w is not None))
+    return kinds, [0 if w is None else len(kinds) - 1 for w in kept]
+
+
+def window_blocks(window: int, max_step: int) -> int:
+    """The most blocks a sequence holds in a group with `window`: those of its last window before a
+    step of up to `max_step` tokens, that step's, and one more where they straddle block edges."""
+    return (window - 1 + max_step) // BLOCK + 2
+
+
+def plan_blocks(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len: int, budget: int,
+                max_step: int = MAX_STEP) -> int:
+    """Blocks of the whole-context layers' pool that fit `budget` bytes beside the windowed
+    layers' pools (at least 1, at most every slot holding max_len tokens)."""
+    kinds, groups = layer_groups(cfg, max_len)
+    per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
+    full = num_slots * -(-max_len // BLOCK)
+    rest = budget
+    for g, window in enumerate(kinds):
+        if window is not None:
+            rest -= _window_pool(num_slots, max_len, window, max_step) * groups.count(g) * per_layer
+    whole_layers = groups.count(0) if kinds and kinds[0] is None else 0
+    if not whole_layers:
+        return full
+    return max(1, min(full, rest // (whole_layers * per_layer)))
+
+
+def _window_pool(num_slots: int, max_len: int, window: int, max_step: int) -> int:
+    """A windowed group's blocks: each slot's window and step, twice over, so that windows of
+    finished sequences stay findable as cached prefixes while every slot is busy."""
+    per_slot = min(window_blocks(window, max_step), -(-max_len // BLOCK))
+    return 2 * num_slots * per_slot
+
+
+class _Group:
+    """The blocks of one group of layers: free list, references, prefix index, and a table per slot."""
+
+    def __init__(self, window: int | None, num_blocks: int, tables: torch.Tensor, bytes_per_block: int) -> None:
+        self.window = window
+        self.num_blocks = num_blocks
+        self.tables = tables  # [slots, max_blocks]: a view of KVCache.tables
+        self.bytes_per_block = bytes_per_block
+        self.free_list = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest first
+        self.ref = [0] * num_blocks
+        self.blocks: dict[int, list[int]] = {}  # slot -> its blocks in position order (HOLE: given back)
+        self.first: dict[int, int] = {}  # slot -> its first block not given back
+        self.index: dict[bytes, int] = {}  # digest -> block
+        self.key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # indexed block -> (its digest, its tokens)
+        self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced indexed blocks, oldest first
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a sequence can take: never used, or holding only an unreferenced cached prefix."""
+        return len(self.free_list) + len(self.cached)
+
+    @property
+    def num_live(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def needed_from(self, n: int) -> int:
+        """The first block that a token at position n (and after) reads in this group."""
+        return 0 if self.window is None else max(0, n - self.window + 1) // BLOCK
+
+    def find(self, digest: bytes, part: tuple[int, ...]) -> int | None:
+        b = self.index.get(digest)
+        # The tokens are checked, not only the digest: another sequence's KV is never served.
+        return b if b is not None and self.key[b][1] == part else None
+
+    def hold(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self.cached[b]
+        self.ref[b] += 1
+
+    def release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b]:
+            return
+        if b in self.key:
+            self.cached[b] = None
+        else:
+            self.free_list.append(b)
+
+    def start(self, slot: int, found: list[int | None], k: int) -> None:
+        """The slot's blocks: the `k` found blocks this group needs (a windowed group only its last window's)."""
+        lo = self.needed_from(k * BLOCK)
+        blocks = [HOLE] * lo
+        for i in range(lo, k):
+            b = found[i]
+            assert b is not None
+            self.hold(b)
+            blocks.append(b)
+        self.blocks[slot] = blocks
+        self.first[slot] = lo
+        if k:
+            self.tables[slot, :k] = torch.tensor([max(b, 0) for b in blocks], dtype=torch.long)
+
+    def room(self, slot: int, want: int) -> int:
+        """Blocks the slot can have, up to `want`."""
+        have = len(self.blocks.get(slot, []))
+        return min(want, have + self.num_free)
+
+    def grow(self, slot: int, want: int) -> None:
+        blocks = self.blocks.setdefault(slot, [])
+        self.first.setdefault(slot, 0)
+        while len(blocks) < want:
+            if self.free_list:
+                b = self.free_list.pop()
+            else:  # the least recently freed cached prefix block gives up its storage
+                b, _ = self.cached.popitem(last=False)
+                del self.index[self.key.pop(b)[0]]
+            self.ref[b] = 1
+            self.tables[slot, len(blocks)] = b
+            blocks.append(b)
+
+    def index_block(self, slot: int, i: int, digest: bytes, part: tuple[int, ...]) -> None:
+        """Block i of the slot is full: make it findable, or, when another sequence computed the
+        same block in the same step (requests with one system prompt arriving together), share
+        that copy and give this one back."""
+        blocks = self.blocks[slot]
+        b = blocks[i]
+        if b == HOLE:
+            return
+        other = self.index.get(digest)
+        if other is None:
+            if b not in self.key:
+                self.index[digest] = b
+                self.key[b] = (digest, part)
+        elif other != b and self.key[other][1] == part:
+            self.hold(other)
+            blocks[i] = other
+            self.tables[slot, i] = other
+            self.release(b)
+
+    def pass_window(self, slot: int, n: int) -> None:
+        """Give back the blocks that tokens from position n on no longer read."""
+        lo = self.needed_from(n)
+        blocks = self.blocks[slot]
+        for i in range(self.first[slot], min(lo, len(blocks))):
+            self.release(blocks[i])
+            blocks[i] = HOLE
+            self.tables[slot, i] = 0
+        self.first[slot] = max(self.first[slot], lo)
+
+    def drop(self, slot: int) -> None:
+        for b in reversed(self.blocks.pop(slot, [])):  # freed last-first: a prefix's head outlives its tail
+            if b != HOLE:
+                self.release(b)
+        self.first.pop(slot, None)
+
+    def forget(self) -> None:
+        self.index.clear()
+        self.key.clear()
+        self.free_list.extend(self.cached)
+        self.cached.clear()
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", num_blocks: int | None = None) -> None:
-        """`num_blocks`: the pool's size (default: enough for every slot to hold `max_len` tokens)."""
+                 device: torch.device | str = "cpu", num_blocks: int | None = None, max_step: int = MAX_STEP,
+                 windows: bool = True) -> None:
+        """`num_blocks`: the whole-context layers' pool (default: enough for every slot to hold
+        `max_len` tokens); `max_step`: the most tokens a sequence computes in one step, which sizes
+        the windowed layers' pools; without `windows` every layer holds the whole context (a cache
+        whose user never calls set_length, as the draft model's)."""
         self.max_blocks = -(-max_len // BLOCK)  # per sequence
         num_blocks = num_blocks or num_slots * self.max_blocks
+        kinds, self.layer_group = layer_groups(cfg, max_len, windows)
+        self.tables = torch.zeros(len(kinds), num_slots, self.max_blocks, dtype=torch.long)  # [groups, slots, blocks]
+        per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
+        self.groups = [
+            _Group(w, num_blocks if w is None else _window_pool(num_slots, max_len, w, max_step), self.tables[g],
+                   per_layer * self.layer_group.count(g))
+            for g, w in enumerate(kinds)
+        ]
         # A KV head's blocks lie together: a sequence's consecutive blocks of one head are then one
         # run of memory, which the CPU streams as it does a contiguous cache.
-        shape = (cfg.num_kv_heads, num_blocks, BLOCK, row_size(cfg.head_dim, dtype))
+        row = row_size(cfg.head_dim, dtype)
         # Zeros, not empty: masked positions still enter the attention product, and NaN * 0 is NaN.
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)
-        ]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for g in self.layer_group:
+            shape = (cfg.num_kv_heads, self.groups[g].num_blocks, BLOCK, row)
+            self.layers.append((_zeros(shape, dtype, device), _zeros(shape, dtype, device)))
         self.num_slots = num_slots
-        self.num_blocks = num_blocks
         self.max_len = max_len
-        self.bytes_per_block = bytes_per_token(cfg, dtype) * BLOCK
-        # Row s: the blocks of slot s in position order (entries past its length are stale).
-        self.tables = torch.zeros(num_slots, self.max_blocks, dtype=torch.long)
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))
-        self._ref = [0] * num_blocks
-        self._blocks: dict[int, list[int]] = {}  # slot -> its blocks
         self._used: dict[int, int] = {}  # live slot -> tokens computed
         self._tokens: dict[int, list[int]] = {}  # slot -> its token ids (for indexing its blocks)
-        self._hashes: dict[int, list[int]] = {}  # slot -> chained hashes of its indexed leading blocks
-        self._index: dict[int, int] = {}  # chained hash -> block
-        self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # indexed block -> (its hash, its tokens)
-        self._parent: dict[int, int] = {}  # indexed block -> the block before it (-1 for the first)
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced indexed blocks, oldest first
+        self._digests: dict[int, list[bytes]] = {}  # slot -> chained digests of its indexed leading blocks
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
-        self.peak_blocks = 0  # the most blocks live sequences have held at once
+        self.peak_bytes = 0  # the most bytes live sequences have held at once
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None,
-                  dtype: torch.dtype | None = None) -> KVCache:
+                  dtype: torch.dtype | None = None, max_step: int = MAX_STEP, windows: bool = True) -> KVCache:
         """A cache on the model's device, in `dtype` (default: the model's activation dtype)."""
         emb = model.norm.weight  # type: ignore[union-attr]  # (the embedding may be held in file blocks)
-        return cls(model.config, num_slots, max_len, dtype or emb.dtype, emb.device, num_blocks)  # type: ignore[arg-type]
+        return cls(model.config, num_slots, max_len, dtype or emb.dtype, emb.device, num_blocks,  # type: ignore[arg-type]
+                   max_step, windows)
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -112,39 +298,57 @@ class KVCache:
         return len(self._used)
 
     @property
+    def num_blocks(self) -> int:
+        """The first group's pool (the whole-context layers' where there are any)."""
+        return self.groups[0].num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
-        """Blocks a sequence can take: never used, or holding only an unreferenced cached prefix."""
-        return len(self._free_blocks) + len(self._cached)
+        """The first group's blocks a sequence can take."""
+        return self.groups[0].num_free
 
     @property
     def num_cached_blocks(self) -> int:
-        """Indexed blocks: findable by a later prompt."""
-        return len(self._index)
+        """The first group's indexed blocks: findable by a later prompt."""
+        return len(self.groups[0].index)
 
     @property
-    def usage(self) -> float:
-        """Fraction of the pool's blocks referenced by live sequences."""
-        return (self.num_blocks - self.num_free_blocks) / self.num_blocks
+    def live_bytes(self) -> int:
+        """Bytes of the blocks live sequences reference."""
+        return sum(g.num_live * g.bytes_per_block for g in self.groups)
 
     @property
     def capacity_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return sum(g.num_blocks * g.bytes_per_block for g in self.groups)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pools' bytes referenced by live sequences."""
+        return self.live_bytes / self.capacity_bytes
 
     @property
     def peak_usage(self) -> float:
-        """The largest fraction of the pool's blocks live sequences have held at once."""
-        return self.peak_blocks / self.num_blocks
+        """The largest fraction of the pools' bytes live sequences have held at once."""
+        return self.peak_bytes / self.capacity_bytes
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
-    def blocks_of(self, slot: int) -> list[int]:
-        return self._blocks.get(slot, [])
+    def blocks_of(self, slot: int, group: int = 0) -> list[int]:
+        """The slot's blocks in position order (HOLE where a windowed group gave one back)."""
+        return self.groups[group].blocks.get(slot, [])
 
     def block_refs(self, prompt: list[int]) -> list[int]:
-        """How many sequences reference each indexed block of `prompt`'s prefix (to the first missing one)."""
-        return [self._ref[b] for b in self._walk(prompt, len(prompt) // BLOCK)]
+        """How many sequences reference each of the first group's indexed blocks of `prompt` (to the first missing one)."""
+        g, refs, digest = self.groups[0], [], b""
+        for i in range(len(prompt) // BLOCK):
+            digest, part = _block_hash(digest, prompt, i)
+            b = g.find(digest, part)
+            if b is None:
+                break
+            refs.append(g.ref[b])
+        return refs
 
     # --- sequences -----------------------------------------------------------------------------
     def allocate(self, prompt: list[int] | None = None) -> tuple[int, int]:
@@ -154,133 +358,99 @@ class KVCache:
         if not self._free_slots:
             raise KVCacheFull("no free slot")
         slot = self._free_slots.pop()
-        blocks = self._walk(prompt, (len(prompt) - 1) // BLOCK) if prompt else []
-        for b in blocks:
-            if self._ref[b] == 0:
-                del self._cached[b]
-            self._ref[b] += 1
-        self._blocks[slot] = blocks
-        self.tables[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        reused = len(blocks) * BLOCK
+        found, digests = self._lookup(prompt, (len(prompt) - 1) // BLOCK) if prompt else ([[] for _ in self.groups], [])
+        k = len(digests)
+        for g, group in enumerate(self.groups):
+            group.start(slot, found[g], k)
+        reused = k * BLOCK
         if prompt is None:
             self._tokens.pop(slot, None)
         else:
             self._tokens[slot] = prompt
             self.prefix_queried_tokens += len(prompt)
             self.prefix_hit_tokens += reused
-        self._hashes[slot] = [self._key[b][0] for b in blocks]
+        self._digests[slot] = digests
         self._used[slot] = reused
         return slot, reused
 
-    def _walk(self, tokens: list[int], limit: int) -> list[int]:
-        """The indexed blocks holding `tokens`' first blocks, at most `limit`, in order."""
-        found: list[int] = []
-        prev_hash, prev_block = 0, -1
+    def _lookup(self, tokens: list[int], limit: int) -> tuple[list[list[int | None]], list[bytes]]:
+        """The longest cached prefix of `tokens`, at most `limit` blocks: per group the block found
+        for each of the prefix's blocks (None where there is none: a windowed group needs only its
+        last window's), and their digests."""
+        found: list[list[int | None]] = [[] for _ in self.groups]
+        runs: list[list[int]] = [[] for _ in self.groups]  # blocks found in a row, ending at each block
+        digests: list[bytes] = []
         for i in range(limit):
-            h, part = _block_hash(prev_hash, tokens, i)
-            b = self._index.get(h)
-            # The chain and the tokens are checked, not only the hash: another sequence's KV is never
-            # served on a collision.
-            if b is None or self._key[b][1] != part or self._parent[b] != prev_block:
+            digest, part = _block_hash(digests[-1] if digests else b"", tokens, i)
+            hits = [g.find(digest, part) for g in self.groups]
+            if any(b is None and g.window is None for g, b in zip(self.groups, hits)):
                 break
-            found.append(b)
-            prev_hash, prev_block = h, b
-        return found
+            digests.append(digest)
+            for g, b in enumerate(hits):
+                found[g].append(b)
+                runs[g].append(0 if b is None else 1 + (runs[g][-1] if runs[g] else 0))
+        k = len(digests)
+        while k and any(runs[g][k - 1] < k - group.needed_from(k * BLOCK) for g, group in enumerate(self.groups)):
+            k -= 1
+        return [f[:k] for f in found], digests[:k]
 
     def room(self, slot: int, n: int) -> int:
         """Tokens the slot can hold if it takes blocks up to `n` tokens, as far as free blocks allow."""
-        have = len(self._blocks.get(slot, []))
         want = min(-(-n // BLOCK), self.max_blocks)
-        return min(want, have + self.num_free_blocks) * BLOCK
+        return min(g.room(slot, want) for g in self.groups) * BLOCK
 
     def reserve(self, slot: int, n: int) -> None:
         """Blocks for the slot's first n tokens (raises KVCacheFull when the pool cannot give them)."""
-        blocks = self._blocks.setdefault(slot, [])
         want = -(-n // BLOCK)
         if want > self.max_blocks:
             raise KVCacheFull(f"{n} tokens exceed the slot's {self.max_len}")
-        if want - len(blocks) > self.num_free_blocks:
-            raise KVCacheFull(f"{want - len(blocks)} blocks wanted, {self.num_free_blocks} free")
-        while len(blocks) < want:
-            b = self._take_block()
-            self.tables[slot, len(blocks)] = b
-            blocks.append(b)
-        self.peak_blocks = max(self.peak_blocks, self.num_blocks - self.num_free_blocks)
-
-    def _take_block(self) -> int:
-        if self._free_blocks:
-            b = self._free_blocks.pop()
-        else:  # the least recently freed cached prefix block gives up its storage
-            b, _ = self._cached.popitem(last=False)
-            self._unindex(b)
-        self._ref[b] = 1
-        return b
-
-    def _unindex(self, b: int) -> None:
-        h, _ = self._key.pop(b)
-        del self._index[h]
-        del self._parent[b]
+        for g in self.groups:
+            short = want - len(g.blocks.get(slot, [])) - g.num_free
+            if short > 0:
+                raise KVCacheFull(f"{short} more blocks wanted than are free")
+        for g in self.groups:
+            g.grow(slot, want)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def set_length(self, slot: int, n: int) -> None:
-        """The slot's sequence now has KV for its first n tokens; its full blocks among them become findable."""
+        """The slot's sequence now has KV for its first n tokens: its full blocks among them become
+        findable, and windowed groups give back what the next tokens will not read."""
         self._used[slot] = n
         tokens = self._tokens.get(slot)
-        if tokens is None:
-            return
-        hashes, blocks = self._hashes[slot], self._blocks[slot]
-        while len(hashes) < n // BLOCK:
-            i = len(hashes)
-            h, part = _block_hash(hashes[-1] if hashes else 0, tokens, i)
-            hashes.append(h)
-            b, parent = blocks[i], blocks[i - 1] if i else -1
-            other = self._index.get(h)
-            if other is None:
-                if b not in self._key:
-                    self._index[h] = b
-                    self._key[b] = (h, part)
-                    self._parent[b] = parent
-            elif other != b and self._key[other][1] == part and self._parent[other] == parent:
-                # Another sequence computed the same block in the same step (requests with one
-                # system prompt arriving together): share its copy and give this one back.
-                if self._ref[other] == 0:
-                    del self._cached[other]
-                self._ref[other] += 1
-                blocks[i] = other
-                self.tables[slot, i] = other
-                self._ref[b] -= 1
-                if self._ref[b] == 0:
-                    self._free_blocks.append(b)
+        if tokens is not None:
+            digests = self._digests[slot]
+            while len(digests) < n // BLOCK:
+                i = len(digests)
+                digest, part = _block_hash(digests[-1] if digests else b"", tokens, i)
+                digests.append(digest)
+                for g in self.groups:
+                    g.index_block(slot, i, digest, part)
+        for g in self.groups:
+            if g.window is not None:
+                g.pass_window(slot, n)
 
     def forget_prefixes(self) -> None:
         """Stop offering any block as a cached prefix: their contents are gone (a pipeline stage
         that held some of the layers was restarted). Called with no sequence live."""
-        for b in list(self._key):
-            self._unindex(b)
-        self._free_blocks.extend(self._cached)
-        self._cached.clear()
-        for hashes in self._hashes.values():
-            hashes.clear()
+        for g in self.groups:
+            g.forget()
+        for digests in self._digests.values():
+            digests.clear()
 
     def free(self, slot: int) -> None:
         """Give a slot and its blocks back; its indexed blocks stay findable until their storage is needed."""
         if slot not in self._used:
             return
         del self._used[slot]
-        for b in reversed(self._blocks.pop(slot, [])):  # freed last-first: a prefix's head outlives its tail
-            self._ref[b] -= 1
-            if self._ref[b]:
-                continue
-            if b in self._key:
-                self._cached[b] = None
-            else:
-                self._free_blocks.append(b)
+        for g in self.groups:
+            g.drop(slot)
         self._tokens.pop(slot, None)
-        self._hashes.pop(slot, None)
+        self._digests.pop(slot, None)
         self._free_slots.append(slot)
         self._free_slots.sort(reverse=True)
 
 
-def _block_hash(prev: int, tokens: list[int], i: int) -> tuple[int, tuple[int, ...]]:
-    """Block i's hash, chained on the hash of the blocks before it, and its tokens."""
+def _block_hash(prev: bytes, tokens: list[int], i: int) -> tuple[bytes, tuple[int, ...]]:
+    """Block i's digest, chained on the digest of the blocks before it, and its tokens."""
     part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
-    return hash((prev, part)), part
+    return hashlib.blake2b(prev + array("q", part).tobytes(), digest_size=16).digest(), part

@@ -70,6 +70,7 @@ class StageSpec:
     max_len: int
     num_blocks: int
     threads: int  # compute threads of each stage process (0: torch's default)
+    max_step: int  # the most tokens a sequence computes in a step (it sizes the windowed layers' pools)
     step_capacity: int = 1 << 22  # bytes of the receive buffers for steps; a larger step goes on its own
     logits_capacity: int = 1 << 22  # and for the logits that come back to rank 0
 
@@ -178,7 +179,7 @@ def _encode(step: StepBatch) -> tuple[int, torch.Tensor]:
         return _PICKLED, torch.frombuffer(bytearray(pickle.dumps(step)), dtype=torch.uint8)
     used = sorted(set(step.slots.tolist()))
     renumber = {slot: i for i, slot in enumerate(used)}
-    tables = step.tables[used, : int(step.positions.max()) // BLOCK + 1]
+    tables = step.tables[:, used, : int(step.positions.max()) // BLOCK + 1]
     slots = torch.tensor([renumber[s] for s in step.slots.tolist()], dtype=torch.long)
     rows = step.rows if step.rows is not None else torch.empty(0, dtype=torch.long)
     sizes = torch.tensor([step.ids.numel(), -1 if step.rows is None else rows.numel(), *tables.shape,
@@ -190,12 +191,12 @@ def _decode(flags: int, meta: torch.Tensor) -> StepBatch:
     if flags & _PICKLED:
         return pickle.loads(meta.numpy().tobytes())
     v = meta.view(torch.int64)
-    n, r, t0, t1, argmax_only = v[:5].tolist()
-    at = 5 + 3 * n
+    n, r, t0, t1, t2, argmax_only = v[:6].tolist()
+    at = 6 + 3 * n
     rows = v[at : at + r] if r >= 0 else None
     at += max(r, 0)
-    return StepBatch(v[5 : 5 + n], v[5 + n : 5 + 2 * n], v[5 + 2 * n : 5 + 3 * n], rows,
-                     v[at : at + t0 * t1].view(t0, t1), None, bool(argmax_only))
+    return StepBatch(v[6 : 6 + n], v[6 + n : 6 + 2 * n], v[6 + 2 * n : 6 + 3 * n], rows,
+                     v[at : at + t0 * t1 * t2].view(t0, t1, t2), None, bool(argmax_only))
 
 
 def _text(e: Exception, rank: int) -> torch.Tensor:
@@ -218,9 +219,9 @@ def measured_costs(model: torch.nn.Module, kv_dtype: torch.dtype, threads: int, 
     kv = KVCache.for_model(model, rows, position + 1, rows * 4, kv_dtype)  # a scratch cache of its own
     try:
         torch.set_num_threads(threads)
-        with_head = FusedDecode.build(model, kv.layers)  # type: ignore[arg-type]
+        with_head = FusedDecode.build(model, kv.layers, kv.layer_group)  # type: ignore[arg-type]
         model.lm_head = None
-        without = FusedDecode.build(model, kv.layers)  # type: ignore[arg-type]
+        without = FusedDecode.build(model, kv.layers, kv.layer_group)  # type: ignore[arg-type]
         model.lm_head = head
         if with_head is None or without is None:
             return None
@@ -257,7 +258,7 @@ def build_stage(spec: StageSpec, rank: int) -> ModelRunner:
         torch.set_num_threads(spec.threads)
     loaded = load_model(spec.model, compute=spec.compute)
     keep_stage(loaded.model, *spec.ranges[rank])  # type: ignore[arg-type]
-    kv = KVCache.for_model(loaded.model, spec.num_slots, spec.max_len, spec.num_blocks, spec.kv_dtype)
+    kv = KVCache.for_model(loaded.model, spec.num_slots, spec.max_len, spec.num_blocks, spec.kv_dtype, spec.max_step)
     return ModelRunner(loaded.model, kv)  # type: ignore[arg-type]
 
 

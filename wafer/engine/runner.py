@@ -33,7 +33,7 @@ class StepBatch:
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] the KV slot of each token's sequence
     rows: torch.Tensor | None  # the rows whose logits are wanted (None: every row)
-    tables: torch.Tensor | None  # [slots, max_blocks] each slot's blocks (the fused step's)
+    tables: torch.Tensor | None  # [groups, slots, max_blocks] each slot's blocks (the fused step's)
     attention: AttentionBatch | None  # the Python model's view of the same (None on the fused step)
     # Only each row's argmax is wanted (every row greedy, without logprobs, penalties or grammar): a
     # pipeline's last stage then sends the tokens back instead of the logits.
@@ -49,12 +49,15 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.windows = set(model.config.windows)
+        # Which group of the cache's layers (and tables) each attention window reads.
+        self.groups = {w: g for w, g in zip(model.config.windows, kv.layer_group)}
         self.device = kv.layers[0][0].device
         # A pipeline stage runs its own layers on the pools of those layers.
         first, _, _ = getattr(model, "stage", (0, 0, 0))
         self.caches = kv.layers[first : first + len(model.layers)]
         # One C++ call per step where the compute path allows it (q4 and q8 on wafer's kernels).
-        self.fused = FusedDecode.build(model, self.caches) if self.device.type == "cpu" else None
+        self.fused = (FusedDecode.build(model, self.caches, kv.layer_group[first : first + len(model.layers)])
+                      if self.device.type == "cpu" else None)
         # On a GPU, decode steps of up to 64 sequences replay CUDA graphs.
         self.graphed = (GraphedDecode(model, kv, min(kv.num_slots, 64))
                         if cuda_graphs and self.device.type == "cuda" else None)
@@ -92,7 +95,7 @@ class ModelRunner:
             if n > 1:
                 ctx = start + n
                 # (a copy: a view would carry the whole table wherever the step is pickled, to a stage)
-                prefills.append(PrefillChunk(len(ids), n, tables[seq.slot, : -(-ctx // BLOCK)].clone(), ctx,
+                prefills.append(PrefillChunk(len(ids), n, tables[:, seq.slot, : -(-ctx // BLOCK)].clone(), ctx,
                                              causal_masks(start, n, self.windows)))
             ids.extend(item.input_ids())
             positions.extend(range(start, start + n))
@@ -102,14 +105,15 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long)
         slot_t = torch.tensor(slots, dtype=torch.long)
         batch = AttentionBatch(
-            write_blocks=tables[slot_t, pos // BLOCK],
+            write_blocks=tables[:, slot_t, pos // BLOCK],
             write_offsets=pos % BLOCK,
             positions=pos,
             num_decode=len(singles),
-            decode_tables=tables[[s.seq.slot for s in singles], :nblk],
+            decode_tables=tables[:, [s.seq.slot for s in singles], :nblk],
             decode_len=nblk * BLOCK,
             decode_masks=decode_masks(lengths, nblk * BLOCK, self.windows) if singles else {},
             prefills=prefills,
+            groups=self.groups,
         )
         # Logits rows in the caller's order of `scheduled`, for the items that sample.
         ends: dict[int, int] = {}

@@ -128,7 +128,9 @@ class DraftModelProposer:
 
     def __init__(self, model: LlamaModel, num_slots: int, max_len: int, seed: int | None = None) -> None:
         self.model = model
-        self.kv = KVCache.for_model(model, num_slots, max_len)
+        # Its positions are written again after a rejection and never passed on as done, so its
+        # windowed layers (if any) keep every token.
+        self.kv = KVCache.for_model(model, num_slots, max_len, windows=False)
         self.runner = ModelRunner(model, self.kv)
         self.cached: dict[int, int] = {}  # seq_id -> leading tokens whose KV the draft cache holds
         self.generator = torch.Generator()

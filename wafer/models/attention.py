@@ -2,7 +2,9 @@
 
 The cache of one layer is a pair of pools shaped [kv_heads, num_blocks, BLOCK, row] (float32,
 bfloat16, or int8 or fp8 rows of head_dim codes and a float32 scale); a sequence's positions lie in the
-blocks its table lists, in order. Each token's key and value are
+blocks its table lists, in order. Layers come in groups (those with a window hold only its blocks),
+each with its own pool size and tables: the batch's block indices carry a group dimension, and a
+layer reads its group's (`groups`, by its window). Each token's key and value are
 written where its position falls; attention gathers a sequence's blocks into one run (on this path
 a gather is the price of sharing blocks; the fused CPU step reads them in place). Query heads are
 folded onto their KV head (grouped-query attention) instead of repeating K and V.
@@ -22,7 +24,7 @@ class PrefillChunk:
 
     start: int
     length: int
-    table: torch.Tensor  # [blocks] the sequence's blocks covering its first context_len tokens
+    table: torch.Tensor  # [groups, blocks] the sequence's blocks covering its first context_len tokens
     context_len: int  # tokens of this sequence in the cache once this chunk is written
     masks: dict[int | None, torch.Tensor]  # per attention window: [length, context_len] bool, True where a query may look
 
@@ -35,34 +37,36 @@ class AttentionBatch:
     over their blocks gathered to `decode_len` positions. The rest are prefill chunks.
     """
 
-    write_blocks: torch.Tensor  # [N] the block each token's K and V go to
+    write_blocks: torch.Tensor  # [groups, N] the block each token's K and V go to
     write_offsets: torch.Tensor  # [N] its place in that block
     positions: torch.Tensor  # [N] position of each token in its sequence
     num_decode: int
-    decode_tables: torch.Tensor  # [num_decode, decode_len / block] blocks of each decoding sequence
+    decode_tables: torch.Tensor  # [groups, num_decode, decode_len / block] blocks of each decoding sequence
     decode_len: int  # positions gathered per decoding sequence (a whole number of blocks)
     decode_masks: dict[int | None, torch.Tensor]  # per attention window: [num_decode, 1, 1, decode_len] bool
     prefills: list[PrefillChunk]
+    groups: dict[int | None, int]  # per attention window: the group of layers (of tables) it reads
 
     @classmethod
     def static_decode(cls, tables: torch.Tensor, positions: torch.Tensor, block: int,
-                      windows: list[int | None]) -> AttentionBatch:
-        """One token per sequence at `positions`, whose blocks are the rows of `tables` [n, blocks]:
-        every index and mask is computed on their device from these tensors alone, so that the whole
-        step can be captured in a CUDA graph."""
-        n, nblk = tables.shape
+                      groups: dict[int | None, int]) -> AttentionBatch:
+        """One token per sequence at `positions`, whose blocks are the rows of `tables` [groups, n,
+        blocks]: every index and mask is computed on their device from these tensors alone, so that
+        the whole step can be captured in a CUDA graph."""
+        _, n, nblk = tables.shape
         length = nblk * block
         lens = (positions + 1).unsqueeze(1)
         k = torch.arange(length, device=positions.device).unsqueeze(0)
         masks = {}
-        for window in set(windows):
+        for window in groups:
             mask = k < lens
             if window is not None:
                 mask &= k > lens - 1 - window
             masks[window] = mask.view(n, 1, 1, length)
-        blocks = tables.gather(1, (positions // block).unsqueeze(1)).squeeze(1)
+        at = (positions // block).view(1, n, 1).expand(tables.shape[0], n, 1)
+        blocks = tables.gather(2, at).squeeze(2)
         return cls(write_blocks=blocks, write_offsets=positions % block, positions=positions, num_decode=n,
-                   decode_tables=tables, decode_len=length, decode_masks=masks, prefills=[])
+                   decode_tables=tables, decode_len=length, decode_masks=masks, prefills=[], groups=groups)
 
     def to(self, device: torch.device) -> AttentionBatch:
         """The same batch with its index tensors and masks on `device` (built on the CPU)."""
@@ -74,7 +78,8 @@ class AttentionBatch:
             positions=move(self.positions), num_decode=self.num_decode, decode_tables=move(self.decode_tables),
             decode_len=self.decode_len, decode_masks={w: move(m) for w, m in self.decode_masks.items()},
             prefills=[PrefillChunk(c.start, c.length, move(c.table), c.context_len,
-                                   {w: move(m) for w, m in c.masks.items()}) for c in self.prefills])
+                                   {w: move(m) for w, m in c.masks.items()}) for c in self.prefills],
+            groups=self.groups)
 
 
 def causal_masks(start_pos: int, length: int, windows: set[int | None]) -> dict[int | None, torch.Tensor]:
@@ -137,15 +142,16 @@ def attend(
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
-    _store(k_cache, batch.write_blocks, batch.write_offsets, k)
-    _store(v_cache, batch.write_blocks, batch.write_offsets, v)
+    g = batch.groups.get(window, 0)
+    _store(k_cache, batch.write_blocks[g], batch.write_offsets, k)
+    _store(v_cache, batch.write_blocks[g], batch.write_offsets, v)
     out = torch.empty_like(q)
 
     nd = batch.num_decode
     if nd:
         qd = q[:nd].view(nd, n_kv, group, head_dim)
-        o = F.scaled_dot_product_attention(qd, _gather(k_cache, batch.decode_tables, q.dtype),
-                                           _gather(v_cache, batch.decode_tables, q.dtype),
+        o = F.scaled_dot_product_attention(qd, _gather(k_cache, batch.decode_tables[g], q.dtype),
+                                           _gather(v_cache, batch.decode_tables[g], q.dtype),
                                            attn_mask=batch.decode_masks[window], scale=scale)
         out[:nd] = o.reshape(nd, n_heads, head_dim)
 
@@ -153,8 +159,8 @@ def attend(
         t, ctx = chunk.length, chunk.context_len
         qc = q[chunk.start : chunk.start + t].view(t, n_kv, group, head_dim)
         qc = qc.permute(1, 2, 0, 3).reshape(1, n_kv, group * t, head_dim)
-        kc = _gather(k_cache, chunk.table, q.dtype)[:, :ctx].unsqueeze(0)
-        vc = _gather(v_cache, chunk.table, q.dtype)[:, :ctx].unsqueeze(0)
+        kc = _gather(k_cache, chunk.table[g], q.dtype)[:, :ctx].unsqueeze(0)
+        vc = _gather(v_cache, chunk.table[g], q.dtype)[:, :ctx].unsqueeze(0)
         mask = chunk.masks[window].repeat(group, 1)
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
         o = o.view(n_kv, group, t, head_dim).permute(2, 0, 1, 3)

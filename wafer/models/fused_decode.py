@@ -40,7 +40,8 @@ def _norms(layer: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tenso
 
 
 class FusedDecode:
-    def __init__(self, model: LlamaModel | Gemma3Model, ext, tensors: list[torch.Tensor], out_features: list[int]) -> None:
+    def __init__(self, model: LlamaModel | Gemma3Model, ext, tensors: list[torch.Tensor], out_features: list[int],
+                 groups: list[int]) -> None:
         self.model = model
         self.ext = ext
         self.tensors = tensors  # per layer: its weights, then its K and V caches (then Gemma's norms); then the head
@@ -50,15 +51,15 @@ class FusedDecode:
         windows = [layer.self_attn.window or 0 for layer in model.layers]  # a pipeline stage's own layers
         local = [int(self.gemma and w > 0) for w in windows]  # Gemma 3's windowed layers take the local base
         scale = model.layers[0].self_attn.scale if len(model.layers) else cfg.head_dim**-0.5
-        self.args = (float(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, local,
+        self.args = (float(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, local, groups,
                      16 if self.gemma else 12, self.gemma, float(scale))
 
     @classmethod
     def build(cls, model: LlamaModel | Gemma3Model, caches: list[tuple[torch.Tensor, torch.Tensor]],
-              ext: ModuleType | None = None) -> FusedDecode | None:
-        """For the model and its KV cache, on the active kernel variant or `ext` (one of
-        kernels.load()'s); None unless every linear layer runs on wafer's block kernels (the q4 and
-        q8 paths)."""
+              groups: list[int] | None = None, ext: ModuleType | None = None) -> FusedDecode | None:
+        """For the model and its KV cache (each layer's pools, and its group of the cache's
+        tables: all 0 by default), on the active kernel variant or `ext` (one of kernels.load()'s);
+        None unless every linear layer runs on wafer's block kernels (the q4 and q8 paths)."""
         ext = ext or kernels()
         if ext is None or not isinstance(model, (LlamaModel, Gemma3Model)):
             return None
@@ -77,13 +78,13 @@ class FusedDecode:
             out_features += [mod.out_features for mod in mods]
         if model.lm_head is not None:
             out_features.append(model.lm_head.out_features)
-        return cls(model, ext, flat + head, out_features)
+        return cls(model, ext, flat + head, out_features, list(groups) if groups is not None else [0] * len(model.layers))
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(rows), vocab] for those of M tokens, each at its own (slot, position); the
-        caches are pools of blocks, and `tables` [slots, max_blocks] lists each slot's blocks. A
+        caches are pools of blocks, and `tables` [groups, slots, max_blocks] lists each slot's blocks. A
         pipeline stage goes on from `hidden`, and without a head returns hidden states [M, hidden]."""
         model = self.model
         none = torch.empty(0)

@@ -221,6 +221,10 @@ struct Layer {
     const float *q_norm = nullptr, *k_norm = nullptr, *attn_out_norm = nullptr, *mlp_out_norm = nullptr;
     int64_t window = 0;      // this layer's attention window (0: Dims::window)
     bool local_rope = false;  // RoPE from Rope's second tables (Gemma 3's windowed layers)
+    // This layer's group's tables and pool size where they are not Tables' (windowed layers hold
+    // only their window, in pools of their own; kv_cache.py): nullptr, 0 for Tables'.
+    const int64_t* table = nullptr;
+    int64_t blocks = 0;
 };
 
 // Where each token's rotary angles lie: the tables' row of its position, or (`row`) a row of its
@@ -275,11 +279,13 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
     const int64_t B = tables.block, R = kv_row<T>(head_dim);
     int shift = 0;
     while ((int64_t{1} << shift) < B) ++shift;
-    // Offset in a pool of the key (or value) row of KV head kh at position p of token m's sequence.
-    auto at = [&](int64_t m, int64_t kh, int64_t p) {
-        return ((kh * tables.blocks + tables.rows[slot[m] * tables.stride + (p >> shift)]) * B + (p & (B - 1))) * R;
-    };
     for (const Layer& L : layers) {
+        const int64_t* const rows = L.table != nullptr ? L.table : tables.rows;
+        const int64_t blocks = L.blocks > 0 ? L.blocks : tables.blocks;
+        // Offset in a pool of the key (or value) row of KV head kh at position p of token m's sequence.
+        auto at = [&](int64_t m, int64_t kh, int64_t p) {
+            return ((kh * blocks + rows[slot[m] * tables.stride + (p >> shift)]) * B + (p & (B - 1))) * R;
+        };
         T* const Kc = static_cast<T*>(L.k_cache);
         T* const Vc = static_cast<T*>(L.v_cache);
         rms_norm(h.data(), L.input_norm, xn.data(), M, hidden, dims.eps);

@@ -39,15 +39,17 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 // x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [rows, head_dim]:
 // a token's rotary angles are the row of its position, or, when rope_rows [M] int64 is not empty,
 // the row it names (tables made for the step); cos_local, sin_local (empty: none) are the tables of
-// the layers with local_rope (Gemma 3's windowed layers). tables [slots, max_blocks] int64: each
-// slot's blocks in position order (kv_cache.py).
+// the layers with local_rope (Gemma 3's windowed layers). tables [groups, slots, max_blocks] int64:
+// each slot's blocks in position order, per group of layers (kv_cache.py: windowed layers have
+// pools and tables of their own).
 // layers: per layer 2 norm weights (before attention, before the MLP), 4 linears (qkv, o, gate_up,
 // down) of 2 tensors each (packed blocks, bias or an empty tensor), then the layer's K and V pools
 // [kv_heads, blocks, block, head_dim] (float32 or bfloat16; int8 rows carry 4 more bytes, their
 // float32 scale): 12 tensors a layer; with per_layer 16 (Gemma 3), 4 more: the query and key head
 // norms and the norms of the attention's and the MLP's outputs. After the last layer the output
 // head's 2. out_features: each linear's output size, in the same order. windows: each layer's
-// attention window (0: none); local_rope: whether it takes cos_local and sin_local. norm: the final
+// attention window (0: none); local_rope: whether it takes cos_local and sin_local; groups: its group
+// (of tables; every layer of a group has pools of one size). norm: the final
 // norm's weight. gelu: the MLP's gate is GELU (tanh form), not SiLU. attn_scale: the queries' scale
 // (0: 1 / sqrt(head_dim)). Returns logits [len(logit_rows), vocab] for those rows of x (none when it
 // is empty: a prompt chunk before the last). Without the head's 2 tensors (a pipeline stage before
@@ -56,22 +58,23 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                           torch::Tensor sin, torch::Tensor cos_local, torch::Tensor sin_local, torch::Tensor rope_rows,
                           torch::Tensor tables, std::vector<torch::Tensor> layers, std::vector<int64_t> out_features,
                           torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                          std::vector<int64_t> windows, std::vector<int64_t> local_rope, int64_t per_layer, bool gelu,
+                          std::vector<int64_t> windows, std::vector<int64_t> local_rope, std::vector<int64_t> groups,
+                          int64_t per_layer, bool gelu,
                           double attn_scale, torch::Tensor logit_rows) {
     TORCH_CHECK(per_layer == 12 || per_layer == 16, "12 tensors per layer (16 with Gemma 3's norms)");
     TORCH_CHECK(layers.size() % per_layer == 2 || layers.size() % per_layer == 0, "tensors per layer, and 2 for the head, if any");
     const bool has_head = static_cast<int64_t>(layers.size()) % per_layer == 2;
     const int64_t n_layers = static_cast<int64_t>(layers.size()) / per_layer;
     TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + (has_head ? 1 : 0), "an output size per linear");
-    TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers && static_cast<int64_t>(local_rope.size()) == n_layers,
-                "a window and a RoPE choice per layer");
+    TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers && static_cast<int64_t>(local_rope.size()) == n_layers &&
+                static_cast<int64_t>(groups.size()) == n_layers, "a window, a RoPE choice and a group per layer");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, hidden] float32");
     TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
                 positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
     x = x.contiguous();
     const int64_t hidden = x.size(1), q_dim = n_heads * head_dim;
     TORCH_CHECK(n_layers > 0 && layers[10].dim() == 4, "KV pools: [kv_heads, blocks, block, head_dim]");
-    const int64_t n_blocks = layers[10].size(1), block = layers[10].size(2);
+    const int64_t block = layers[10].size(2);
     TORCH_CHECK(block > 0 && (block & (block - 1)) == 0, "KV blocks: a power of two of positions");
     const auto kv_dtype = layers[10].scalar_type();
     TORCH_CHECK(kv_dtype == torch::kFloat32 || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kInt8,
@@ -80,8 +83,16 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                                   : kv_dtype == torch::kBFloat16 ? wafer::KVType::bf16
                                                                  : wafer::KVType::i8;
     const int64_t row = kv_type == wafer::KVType::i8 ? head_dim + 4 : head_dim;
-    TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 && tables.is_contiguous(),
-                "tables: contiguous [slots, max_blocks] int64");
+    TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 3 && tables.is_contiguous(),
+                "tables: contiguous [groups, slots, max_blocks] int64");
+    const int64_t n_groups = tables.size(0), n_slots = tables.size(1), stride = tables.size(2);
+    std::vector<int64_t> n_blocks(n_groups, 0);  // each group's pool size, from its layers' pools
+    for (int64_t l = 0; l < n_layers; ++l) {
+        TORCH_CHECK(groups[l] >= 0 && groups[l] < n_groups, "a layer's group has tables");
+        const int64_t have = layers[per_layer * l + 10].size(1);
+        TORCH_CHECK(n_blocks[groups[l]] == 0 || n_blocks[groups[l]] == have, "the pools of a group's layers have the same blocks");
+        n_blocks[groups[l]] = have;
+    }
     cos = cos.contiguous();
     sin = sin.contiguous();
     TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
@@ -105,11 +116,14 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
         const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
         const int64_t* t = tables.data_ptr<int64_t>();
         for (int64_t m = 0; m < x.size(0); ++m) {
-            TORCH_CHECK(slot[m] >= 0 && slot[m] < tables.size(0) && pos[m] >= 0 && (own_rows || pos[m] < cos.size(0)) &&
-                        pos[m] / block < tables.size(1), "a token's slot or position lies outside the tables");
-            for (int64_t i = 0; i <= pos[m] / block; ++i)
-                TORCH_CHECK(t[slot[m] * tables.size(1) + i] >= 0 && t[slot[m] * tables.size(1) + i] < n_blocks,
-                            "a table names a block outside the pools");
+            TORCH_CHECK(slot[m] >= 0 && slot[m] < n_slots && pos[m] >= 0 && (own_rows || pos[m] < cos.size(0)) &&
+                        pos[m] / block < stride, "a token's slot or position lies outside the tables");
+            for (int64_t g = 0; g < n_groups; ++g) {
+                if (n_blocks[g] == 0) continue;  // a group with none of this stage's layers
+                const int64_t* r = t + (g * n_slots + slot[m]) * stride;
+                for (int64_t i = 0; i <= pos[m] / block; ++i)
+                    TORCH_CHECK(r[i] >= 0 && r[i] < n_blocks[g], "a table names a block outside the pools");
+            }
         }
     }
     auto lin = [&](size_t i, int64_t in, int64_t out) {
@@ -132,7 +146,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                     kc.size(2) == block && kc.size(3) == row && vc.sizes() == kc.sizes() &&
                     kc.scalar_type() == kv_dtype && vc.scalar_type() == kv_dtype,
                     "KV caches: contiguous [kv_heads, blocks, block, head_dim (+4 for int8's scale)], all of one dtype");
-        TORCH_CHECK(kc.size(1) == n_blocks, "every layer's pool has the same blocks");
+
         wafer::Layer L{weight(layers[b], hidden), weight(layers[b + 1], hidden), lin(b + 2, hidden, nout[0]),
                        lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
                        kc.data_ptr(), vc.data_ptr()};
@@ -145,6 +159,8 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
         TORCH_CHECK(windows[l] >= 0, "a window is 0 (none) or more");
         L.window = windows[l];
         L.local_rope = local_rope[l] != 0;
+        L.table = tables.data_ptr<int64_t>() + groups[l] * n_slots * stride;
+        L.blocks = n_blocks[groups[l]];
         TORCH_CHECK(!L.local_rope || two_bases, "a layer takes cos_local, which is empty");
         ls.push_back(L);
     }
@@ -165,7 +181,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
     }
     if (own_rows) rope.row = rope_rows.data_ptr<int64_t>();
     wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                       wafer::Tables{tables.data_ptr<int64_t>(), tables.size(1), block, n_blocks},
+                       wafer::Tables{tables.data_ptr<int64_t>(), stride, block, n_blocks[groups[0]]},
                        cos.data_ptr<float>(), sin.data_ptr<float>(), ls, weight(norm, hidden), head, dims, rows,
                        logit_rows.numel(), logits.data_ptr<float>(), rope);
     return logits;

@@ -1,11 +1,12 @@
 """KV-cache thrift, measured side by side in one run (issue 22).
 
-1. KV bytes per token for each KV dtype, for the default model and Gemma 3 270M, and what a
-   32K-token Gemma 3 context needs with its windowed layers kept to their window and without.
-2. `wafer serve` (the default model, f32 KV): resident memory after 16 concurrent requests of
-   1,000 prompt tokens that share a 600-token prefix, with prefix caching and without, against what
+1. KV bytes per token for each KV dtype, for the default model and Gemma 3 270M, and what one
+   sequence of the model's whole context (32K tokens for Gemma 3) holds in wafer's cache, with
+   windowed layers keeping their window (the default) and with every layer keeping every token.
+2. `wafer serve` (each model, f32 KV): resident memory after 16 concurrent requests of 1,000
+   prompt tokens that share a 600-token prefix, with prefix caching and without, against what
    their live tokens need.
-3. How many 4,096-token sequences fit in a 1 GB KV budget, for each dtype.
+3. How many 4,096-token sequences fit in a 1 GB KV budget, for each dtype, with and without windows.
 4. Decode tokens/s at contexts of 128, 2,048 and 8,128 tokens (the default model's 8,192 less the
    output) for each KV dtype, for both models, against llama-cpp-python on the same GGUF at the
    same context (its default KV type, f16).
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import os
 import platform
 import sys
 import time
@@ -31,7 +34,15 @@ from bench.common import table  # noqa: E402
 from bench.decode import cpu_model  # noqa: E402
 from bench.llamacpp import LlamaCpp, available  # noqa: E402
 from wafer.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from wafer.engine.kv_cache import BLOCK, KV_DTYPES, bytes_per_token  # noqa: E402
+from wafer.engine.kv_cache import (  # noqa: E402
+    BLOCK,
+    KV_DTYPES,
+    KVCache,
+    KVCacheFull,
+    bytes_per_token,
+    layer_bytes_per_token,
+    plan_blocks,
+)
 from wafer.engine.sequence import SamplingParams  # noqa: E402
 from wafer.models import catalog  # noqa: E402
 from wafer.models.gguf_loader import GGUFFile  # noqa: E402
@@ -49,36 +60,97 @@ def models() -> list[tuple[str, Path]]:
     return found
 
 
-def bytes_table() -> None:
-    rows = []
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
+
+
+def held_context(cfg, dtype: torch.dtype, ctx: int, windows: bool, step: int = 256) -> tuple[float, float]:
+    """A sequence of `ctx` tokens taken into wafer's cache as the engine does it, `step` tokens at a
+    time (blocks reserved, every new block of every layer written, then set_length, where windowed
+    layers give back what has left their window): the most KV bytes it held at once (MB, the
+    cache's own count) and how much the process's resident memory grew (MB)."""
+    gc.collect()
+    before = rss_mb()
+    kv = KVCache(cfg, 1, ctx, dtype, max_step=step, windows=windows)
+    slot, _ = kv.allocate(list(range(ctx)))
+    done = 0
+    while done < ctx:
+        end = min(ctx, done + step)
+        kv.reserve(slot, end)
+        for layer, (k, v) in enumerate(kv.layers):
+            blocks = kv.blocks_of(slot, kv.layer_group[layer])[done // BLOCK : -(-end // BLOCK)]
+            k[:, blocks] = 1
+            v[:, blocks] = 1
+        kv.set_length(slot, end)
+        done = end
+    grew = rss_mb() - before
+    peak = kv.peak_bytes / MB
+    del kv
+    gc.collect()
+    return peak, grew
+
+
+def sequences_in(cfg, dtype: torch.dtype, budget: int, length: int, windows: bool, step: int = 256) -> int:
+    """How many `length`-token sequences wafer's cache holds at once within `budget` bytes: the most
+    slots whose pools (sized by the engine's rule) take every sequence whole, each computed
+    `step` tokens at a time."""
+    fits = 0
+    for n in range(1, 1024):
+        blocks = plan_blocks(cfg, dtype, n, length, budget, step, windows)
+        kv = KVCache(cfg, n, length, dtype, num_blocks=blocks, max_step=step, windows=windows)
+        if kv.capacity_bytes > budget:
+            break
+        try:
+            slots = [kv.allocate()[0] for _ in range(n)]
+            for end in range(step, length + step, step):  # the sequences side by side, a step each
+                for slot in slots:
+                    kv.reserve(slot, min(end, length))
+                    kv.set_length(slot, min(end, length))
+        except KVCacheFull:
+            break
+        fits = n
+    return fits
+
+
+def bytes_table() -> bool:
+    rows, fits, ok = [], [], True
     for name, path in models():
         cfg = GGUFFile(path).config
-        windows = cfg.windows
+        ctx = min(32768, cfg.max_position_embeddings)
         for label, dtype in KV_DTYPES.items():
             per = bytes_per_token(cfg, dtype)
-            per_layer = per // cfg.num_layers
-            ctx = 32768
-            whole = per * ctx
-            windowed = sum(per_layer * (ctx if w is None else min(ctx, w + BLOCK)) for w in windows)
-            rows.append([name, label, f"{per:,}", f"{whole / MB:,.0f}", f"{windowed / MB:,.0f}",
-                         f"{windowed / whole:.2f}", f"{(1024**3) // (per * 4096)}"])
-    print("KV bytes per token, and a 32K-token context (MB): all layers whole, and windowed layers kept to "
-          "their window (wafer's cache holds the first today: windows do not yet free memory)")
-    print(table(["model", "KV dtype", "bytes/token", "32K whole MB", "32K windowed MB", "ratio",
-                 "4,096-token seqs in 1 GB"], rows))
+            whole, whole_rss = held_context(cfg, dtype, ctx, windows=False)
+            held, held_rss = held_context(cfg, dtype, ctx, windows=True)
+            rows.append([name, label, f"{per:,}", f"{ctx:,}", f"{per * ctx / MB:,.0f}", f"{whole:,.0f}",
+                         f"{whole_rss:,.0f}", f"{held:,.0f}", f"{held_rss:,.0f}", f"{held / whole:.2f}"])
+            if "gemma" in name:
+                ok &= held / whole <= 0.25
+            fits.append([name, label, str(sequences_in(cfg, dtype, 1 << 30, 4096, windows=False)),
+                         str(sequences_in(cfg, dtype, 1 << 30, 4096, windows=True))])
+    print("KV of one sequence taken in 256 tokens a step to the model's context (32K for Gemma 3, 8K for "
+          "SmolLM2): every layer keeping every token, and windowed layers keeping their window (wafer's "
+          "default). Held: the cache's count of the bytes its blocks held at the peak; RSS: what the process grew")
+    print(table(["model", "KV dtype", "bytes/token", "context", "all tokens MB (computed)", "no windows: held MB",
+                 "no windows: RSS MB", "windows: held MB", "windows: RSS MB", "held, windows / none"], rows))
+    print("\n4,096-token sequences that wafer's cache holds at once in a 1 GB KV budget (pools sized by the "
+          "engine's rule for that many slots, every sequence taken in whole, 256 tokens a step)")
+    print(table(["model", "KV dtype", "without windows", "with windows"], fits))
+    print(f"{'PASS' if ok else 'FAIL'}  Gemma 3's KV for a 32K context at most 1/4 of what it holds without windows")
+    return ok
 
 
 NEW = 160  # tokens each request writes: enough that all 16 are running at once before the first ends
 
 
-def serve_memory(prefix_caching: bool) -> tuple[float, float, float, int]:
+def serve_memory(path: Path, prefix_caching: bool) -> tuple[float, float, float, float]:
     """RSS (MB) of `wafer serve` idle and after the 16 requests, the most KV (MB) its sequences held
-    at once, and the tokens they hold when all 16 are running whole."""
+    at once, and the KV (MB) their live tokens need when all 16 are running whole."""
     import httpx
 
     from bench.served import start
 
-    args = [str(default_model_path()), "--max-running", "16", "--max-model-len", "2048",
+    args = [str(path), "--max-running", "16", "--max-model-len", "2048",
             "--max-batched-tokens", "1024", "--kv-cache-dtype", "f32"]
     if not prefix_caching:
         args.append("--no-prefix-caching")
@@ -104,12 +176,25 @@ def serve_memory(prefix_caching: bool) -> tuple[float, float, float, int]:
         after = server.rss_mb()
         metrics = httpx.get(server.root + "/metrics").text
         peak = gauge(metrics, "wafer:kv_cache_peak_usage_perc") * gauge(metrics, "wafer:kv_cache_capacity_bytes") / MB
-        # All 16 whole: with prefix caching the prefix once and each request's own 400 + NEW - 1 (the
-        # last token sampled is never fed back); without, every request's 1,000 + NEW - 1.
-        own = 400 + NEW - 1
-        return idle, after, peak, 600 + 16 * own if prefix_caching else 16 * (600 + own)
+        return idle, after, peak, live_need(GGUFFile(path).config, prefix_caching) / MB
     finally:
         server.stop()
+
+
+def live_need(cfg, prefix_caching: bool) -> int:
+    """Bytes of f32 KV that the 16 requests' live tokens need when all are running whole: in a layer
+    that attends to everything, with prefix caching the prefix once and each request's own
+    400 + NEW - 1 (the last token sampled is never fed back), without it every request's 1,000 +
+    NEW - 1; in a windowed layer each request's last window."""
+    own, whole = 400 + NEW - 1, 1000 + NEW - 1
+    per_layer = layer_bytes_per_token(cfg, torch.float32)
+    need = 0
+    for w in cfg.windows:
+        if w is not None and w < 2048:
+            need += 16 * min(w, whole) * per_layer
+        else:
+            need += (600 + 16 * own if prefix_caching else 16 * whole) * per_layer
+    return need
 
 
 def gauge(text: str, name: str) -> float:
@@ -117,20 +202,19 @@ def gauge(text: str, name: str) -> float:
 
 
 def memory_table() -> None:
-    cfg = GGUFFile(default_model_path()).config
-    per = bytes_per_token(cfg, torch.float32)
     rows = []
-    for caching in (True, False):
-        idle, after, peak, live = serve_memory(caching)
-        need = live * per / MB
-        rows.append(["on" if caching else "off", f"{idle:,.0f}", f"{after:,.0f}", f"{after - idle:,.0f}",
-                     f"{peak:,.0f}", f"{live:,}", f"{need:,.0f}", f"{peak / need:.2f}"])
-    print(f"\n`wafer serve` (default model, f32 KV), 16 concurrent requests of 1,000 prompt tokens sharing a "
-          f"600-token prefix, {NEW} tokens each")
-    print(table(["prefix caching", "RSS idle MB", "RSS after MB", "RSS grew MB", "KV held at peak MB",
-                 "tokens of 16 whole", "their KV MB", "peak / their KV"], rows))
-    print("(tokens of 16 whole: with prefix caching the shared prefix once and each request's own tokens; "
-          "without, every request's whole prompt and output. RSS keeps every block ever written.)")
+    for name, path in models():
+        for caching in (True, False):
+            idle, after, peak, need = serve_memory(path, caching)
+            rows.append([name, "on" if caching else "off", f"{idle:,.0f}", f"{after:,.0f}", f"{after - idle:,.0f}",
+                         f"{peak:,.0f}", f"{need:,.0f}", f"{peak / need:.2f}"])
+    print(f"\n`wafer serve` (f32 KV), 16 concurrent requests of 1,000 prompt tokens sharing a 600-token prefix, "
+          f"{NEW} tokens each")
+    print(table(["model", "prefix caching", "RSS idle MB", "RSS after MB", "RSS grew MB", "KV held at peak MB",
+                 "KV their live tokens need MB", "peak / need"], rows))
+    print("(need, with all 16 running whole: in layers that attend to everything, with prefix caching the shared "
+          "prefix once and each request's own tokens, without it every request's whole prompt and output; in "
+          "windowed layers each request's last window. RSS keeps every block ever written.)")
 
 
 def wafer_decode(loaded, dtype: str, context: int, n_new: int = 32) -> float:

@@ -97,10 +97,10 @@ def window_blocks(window: int, max_step: int) -> int:
 
 
 def plan_blocks(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len: int, budget: int,
-                max_step: int = MAX_STEP) -> int:
+                max_step: int = MAX_STEP, windows: bool = True) -> int:
     """Blocks of the whole-context layers' pool that fit `budget` bytes beside the windowed
     layers' pools (at least 1, at most every slot holding max_len tokens)."""
-    kinds, groups = layer_groups(cfg, max_len)
+    kinds, groups = layer_groups(cfg, max_len, windows)
     per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
     full = num_slots * -(-max_len // BLOCK)
     rest = budget
@@ -114,10 +114,9 @@ def plan_blocks(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len: i
 
 
 def _window_pool(num_slots: int, max_len: int, window: int, max_step: int) -> int:
-    """A windowed group's blocks: each slot's window and step, twice over, so that windows of
-    finished sequences stay findable as cached prefixes while every slot is busy."""
-    per_slot = min(window_blocks(window, max_step), -(-max_len // BLOCK))
-    return 2 * num_slots * per_slot
+    """A windowed group's blocks: each slot's window and step. A decoding sequence holds a window
+    and a block, so the steps' share keeps recent windows findable as cached prefixes."""
+    return num_slots * min(window_blocks(window, max_step), -(-max_len // BLOCK))
 
 
 class _Group:

@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN, help="context to allocate per sequence")
     s.add_argument("--max-batched-tokens", type=int, default=defaults.MAX_BATCHED_TOKENS,
                    help="tokens per engine step (prefill chunk)")
+    s.add_argument("--prefill-step-ms", type=int, default=round(defaults.PREFILL_STEP_SECONDS * 1000), metavar="MS",
+                   help="how long a step's prompt work may take while other streams wait for their next token "
+                        "(learned per token; 0: only --max-batched-tokens bounds it)")
     s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "fp8"],
                    help="how keys and values are stored: int8 and fp8 (e4m3; CUDA, and the CPU's f32 and int8 "
                         "paths) have a scale per position and head (a quarter of f32's bytes); auto: bf16 on the "

@@ -132,3 +132,14 @@ def test_kv_cache_memory_takes_sizes_with_units(tmp_path):
     assert cfg.models["small"].options["kv_cache_memory"] == 256 * 1024**2
     with pytest.raises(ConfigError, match="kv_cache_memory|not a size"):
         load_config(write(tmp_path, '[models.small]\npath = "bundled"\nkv_cache_memory = "lots"\n'))
+
+
+def test_prefill_step_ms_bounds_a_steps_prompt_work_or_not(tmp_path):
+    from wafer.server.main import prefill_step
+
+    cfg = load_config(write(tmp_path, '[models.small]\npath = "bundled"\nprefill_step_ms = 0\n'))
+    assert prefill_step(cfg.models["small"].options) is None  # only max_batched_tokens bounds a step
+    assert prefill_step({"prefill_step_ms": 120}) == 0.12
+    assert prefill_step({}) == 0.05  # the default
+    with pytest.raises(ConfigError, match="prefill_step_ms"):
+        prefill_step({"prefill_step_ms": -1})

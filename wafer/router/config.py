@@ -5,7 +5,7 @@
     quant = "q4"                # compute path: auto (default), f32, bf16, int8, q8 or q4 (see quant.py)
     device = "cpu"              # auto (default: cuda when there is one), cpu or cuda
     max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens,
-    pipeline_parallel = 1       # kv_cache_memory, pipeline_parallel (stage processes of the model)
+    pipeline_parallel = 1       # kv_cache_memory, prefill_step_ms, pipeline_parallel (stage processes of the model)
     speculative = "ngram"       # off (default), ngram, or draft:NAME (a model of this file, a tier, or a path)
     num_speculative_tokens = 5
     prefix_caching = true
@@ -69,7 +69,7 @@ TIERS = ("sol", "terra", "luna")
 ROUTER_NAMES = ("auto", "gpt-5.6")
 TIER_ALIASES = {"gpt-5.6-sol": "sol", "gpt-5.6-terra": "terra", "gpt-5.6-luna": "luna"}
 ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens", "kv_cache_memory",
-                  "pipeline_parallel")
+                  "prefill_step_ms", "pipeline_parallel")
 # Tokens of reasoning per effort level before the answer; `ultra` reasons as `max` does. Each level
 # has about four times the budget of the one below it, from a short plan to a long derivation.
 REASONING_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096, "xhigh": 8192,

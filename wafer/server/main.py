@@ -239,11 +239,20 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
                                        o.get("max_batched_tokens", defaults.MAX_BATCHED_TOKENS),
                                        speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
                                        sampling=m.sampling, kv_cache_memory=o.get("kv_cache_memory"),
-                                       kv_cache_dtype=m.kv_cache_dtype, pipeline=pipeline_settings(o)))
+                                       kv_cache_dtype=m.kv_cache_dtype, pipeline=pipeline_settings(o),
+                                       prefill_step_seconds=prefill_step(o)))
             served[-1].reasoning = dict(cfg.reasoning)
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
     return served
+
+
+def prefill_step(options: dict[str, int]) -> float | None:
+    """The seconds of prompt work a step may take (`prefill_step_ms`; 0: only max_batched_tokens bounds it)."""
+    ms = options.get("prefill_step_ms", round(defaults.PREFILL_STEP_SECONDS * 1000))
+    if ms < 0:
+        raise ConfigError(f"prefill_step_ms must be 0 or more, not {ms}")
+    return ms / 1000 if ms else None
 
 
 def pipeline_settings(options: dict[str, int], env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -280,7 +289,8 @@ def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
-               "max_batched_tokens": args.max_batched_tokens, "pipeline_parallel": args.pipeline_parallel}
+               "max_batched_tokens": args.max_batched_tokens, "prefill_step_ms": args.prefill_step_ms,
+               "pipeline_parallel": args.pipeline_parallel}
     if args.kv_cache_memory is not None:
         try:
             options["kv_cache_memory"] = parse_size(args.kv_cache_memory)

@@ -97,8 +97,8 @@ def sequences_in(cfg, dtype: torch.dtype, budget: int, length: int, windows: boo
     `step` tokens at a time."""
     fits = 0
     for n in range(1, 1024):
-        blocks = plan_blocks(cfg, dtype, n, length, budget, step, windows)
-        kv = KVCache(cfg, n, length, dtype, num_blocks=blocks, max_step=step, windows=windows)
+        blocks, pool = plan_blocks(cfg, dtype, n, length, budget, step, windows)
+        kv = KVCache(cfg, n, length, dtype, num_blocks=blocks, max_step=step, windows=windows, window_pool=pool or None)
         if kv.capacity_bytes > budget:
             break
         try:

@@ -243,9 +243,13 @@ def test_without_windows_every_layer_keeps_the_whole_context() -> None:
 
 def test_the_budget_is_shared_between_the_windowed_and_the_global_layers() -> None:
     per_layer = layer_bytes_per_token(WINDOWED) * BLOCK
-    windowed_bytes = 4 * window_blocks(WINDOW, 64) * 2 * per_layer  # 4 slots, 2 layers
-    budget = windowed_bytes + 40 * per_layer  # and 40 blocks of the one global layer
-    assert plan_blocks(WINDOWED, torch.float32, 4, 512, budget, max_step=64) == 40
+    per_slot = window_blocks(WINDOW, 64)
+    window = per_slot * 2 * per_layer  # a slot's window and step in the 2 windowed layers
+    budget = 4 * window + 40 * per_layer  # 4 slots' windows, and 40 blocks of the one global layer
+    assert plan_blocks(WINDOWED, torch.float32, 4, 512, budget, max_step=64) == (40, 4 * per_slot)
     kv = KVCache(WINDOWED, 4, 512, num_blocks=40, max_step=64)
     assert kv.capacity_bytes == budget
-    assert plan_blocks(CFG, torch.float32, 4, 512, 10 * 2 * per_layer) == 10  # no window: all to the whole group
+    # A budget short of every slot's window beside one whole sequence: as many windows as whole
+    # sequences fit (at least one), the rest to the global layer.
+    assert plan_blocks(WINDOWED, torch.float32, 4, 512, window + 10 * per_layer, max_step=64) == (10, per_slot)
+    assert plan_blocks(CFG, torch.float32, 4, 512, 10 * 2 * per_layer) == (10, 0)  # no window: all to the whole group

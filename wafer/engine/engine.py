@@ -134,12 +134,12 @@ class LLMEngine:
         # The most tokens a sequence computes in a step (a prompt chunk, a verified draft) sizes
         # what layers with a window hold.
         self.max_step = max(self.config.max_batched_tokens, self.config.speculative.num_tokens + 1)
-        num_blocks = plan_blocks(loaded.config, self.kv_dtype, self.config.max_running, self.max_model_len, budget,
-                                 self.max_step)
+        num_blocks, self.window_pool = plan_blocks(loaded.config, self.kv_dtype, self.config.max_running,
+                                                   self.max_model_len, budget, self.max_step)
         # One sequence must always fit, so that preemption can always make progress.
         self.max_model_len = min(self.max_model_len, num_blocks * BLOCK)
         self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len, num_blocks,
-                                    self.kv_dtype, self.max_step)
+                                    self.kv_dtype, self.max_step, window_pool=self.window_pool or None)
         self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
                                    self.config.prefix_caching)
         self.pipeline: PipelineExecutor | None = None
@@ -190,7 +190,8 @@ class LLMEngine:
         drafts = cfg.max_running * cfg.speculative.num_tokens if cfg.speculative.method != "off" else 0
         hidden_bytes = (cfg.max_batched_tokens + drafts) * model.config.hidden_size * 4
         spec = StageSpec(str(loaded.path), loaded.compute, ranges, self.kv_dtype, self.kv.num_slots,
-                         self.max_model_len, num_blocks, threads, self.max_step, step_capacity=2 * hidden_bytes + (1 << 16),
+                         self.max_model_len, num_blocks, threads, self.max_step, self.window_pool,
+                         step_capacity=2 * hidden_bytes + (1 << 16),
                          logits_capacity=cfg.max_running * model.config.vocab_size * 4 + (1 << 12))
         keep_stage(model, *ranges[0])
         self._threads_before = torch.get_num_threads()

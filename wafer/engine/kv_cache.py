@@ -97,26 +97,26 @@ def window_blocks(window: int, max_step: int) -> int:
 
 
 def plan_blocks(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len: int, budget: int,
-                max_step: int = MAX_STEP, windows: bool = True) -> int:
-    """Blocks of the whole-context layers' pool that fit `budget` bytes beside the windowed
-    layers' pools (at least 1, at most every slot holding max_len tokens)."""
+                max_step: int = MAX_STEP, windows: bool = True) -> tuple[int, int]:
+    """How `budget` bytes are shared: the blocks of the whole-context layers' pool, and of the
+    windowed layers' (each slot's window and step, where the budget holds that beside one
+    sequence of max_len in the other layers; else as many slots' as it holds whole sequences,
+    at least one). At least 1 block, at most every slot holding max_len tokens."""
     kinds, groups = layer_groups(cfg, max_len, windows)
     per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
-    full = num_slots * -(-max_len // BLOCK)
-    rest = budget
-    for g, window in enumerate(kinds):
-        if window is not None:
-            rest -= _window_pool(num_slots, max_len, window, max_step) * groups.count(g) * per_layer
-    whole_layers = groups.count(0) if kinds and kinds[0] is None else 0
-    if not whole_layers:
-        return full
-    return max(1, min(full, rest // (whole_layers * per_layer)))
-
-
-def _window_pool(num_slots: int, max_len: int, window: int, max_step: int) -> int:
-    """A windowed group's blocks: each slot's window and step. A decoding sequence holds a window
-    and a block, so the steps' share keeps recent windows findable as cached prefixes."""
-    return num_slots * min(window_blocks(window, max_step), -(-max_len // BLOCK))
+    max_blocks = -(-max_len // BLOCK)
+    full = num_slots * max_blocks
+    window = kinds[-1] if kinds and kinds[-1] is not None else None
+    whole = groups.count(0) * per_layer if kinds and kinds[0] is None else 0  # bytes a block of them
+    if window is None:
+        return max(1, min(full, budget // whole)), 0
+    per_slot = min(window_blocks(window, max_step), max_blocks)
+    windowed = groups.count(len(kinds) - 1) * per_layer * per_slot  # bytes a slot's window
+    slots = num_slots if budget >= num_slots * windowed + max_blocks * whole else budget // (windowed + max_blocks * whole)
+    slots = max(1, min(num_slots, slots))
+    if not whole:
+        return full, slots * per_slot
+    return max(1, min(full, (budget - slots * windowed) // whole)), slots * per_slot
 
 
 class _Group:
@@ -244,18 +244,20 @@ class _Group:
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", num_blocks: int | None = None, max_step: int = MAX_STEP,
-                 windows: bool = True) -> None:
+                 windows: bool = True, window_pool: int | None = None) -> None:
         """`num_blocks`: the whole-context layers' pool (default: enough for every slot to hold
         `max_len` tokens); `max_step`: the most tokens a sequence computes in one step, which sizes
-        the windowed layers' pools; without `windows` every layer holds the whole context (a cache
-        whose user never calls set_length, as the draft model's)."""
+        the windowed layers' pools (`window_pool` blocks, default each slot's window and step;
+        plan_blocks gives both for a budget); without `windows` every layer holds the whole
+        context (a cache whose user never calls set_length, as the draft model's)."""
         self.max_blocks = -(-max_len // BLOCK)  # per sequence
         num_blocks = num_blocks or num_slots * self.max_blocks
         kinds, self.layer_group = layer_groups(cfg, max_len, windows)
         self.tables = torch.zeros(len(kinds), num_slots, self.max_blocks, dtype=torch.long)  # [groups, slots, blocks]
         per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
         self.groups = [
-            _Group(w, num_blocks if w is None else _window_pool(num_slots, max_len, w, max_step), self.tables[g],
+            _Group(w, num_blocks if w is None else window_pool or num_slots * min(window_blocks(w, max_step), self.max_blocks),
+                   self.tables[g],
                    per_layer * self.layer_group.count(g))
             for g, w in enumerate(kinds)
         ]
@@ -279,11 +281,12 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None,
-                  dtype: torch.dtype | None = None, max_step: int = MAX_STEP, windows: bool = True) -> KVCache:
+                  dtype: torch.dtype | None = None, max_step: int = MAX_STEP, windows: bool = True,
+                  window_pool: int | None = None) -> KVCache:
         """A cache on the model's device, in `dtype` (default: the model's activation dtype)."""
         emb = model.norm.weight  # type: ignore[union-attr]  # (the embedding may be held in file blocks)
         return cls(model.config, num_slots, max_len, dtype or emb.dtype, emb.device, num_blocks,  # type: ignore[arg-type]
-                   max_step, windows)
+                   max_step, windows, window_pool)
 
     # --- sizes ---------------------------------------------------------------------------------
     @property

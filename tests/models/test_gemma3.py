@@ -295,3 +295,28 @@ def test_windowed_layers_hold_their_window_only_and_the_logits_do_not_change(f32
     # the whole cache at this length; 32K tokens are the bench's).
     bound = -(-n // BLOCK) * glob.bytes_per_block + window_blocks(512, 128) * windowed.bytes_per_block
     assert kv.peak_bytes <= bound < 0.65 * whole.peak_bytes, (kv.peak_bytes, bound, whole.peak_bytes)
+
+
+def test_served_through_the_openai_sdk_past_the_window_and_from_the_prefix_cache(q4, prompts, long_alone):
+    """Gemma 3 behind the server, the official client: the long prompt's greedy answer equals the
+    engine's, streamed and not, and sent again it is served from the prefix cache (its global
+    layers' blocks and its windowed layers' last window)."""
+    import openai
+
+    from tests.serving import start_server
+
+    server = start_server(q4, names=["gemma-3-270m"])
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        long = prompts[-1]
+        want = q4.tokenizer.decode(long_alone)
+        first = client.completions.create(model="gemma-3-270m", prompt=long, max_tokens=12, temperature=0)
+        assert first.choices[0].text == want and first.usage.prompt_tokens == len(long)
+        again = client.completions.create(model="gemma-3-270m", prompt=long, max_tokens=12, temperature=0)
+        assert again.choices[0].text == want
+        assert again.usage.prompt_tokens_details.cached_tokens == (len(long) - 1) // BLOCK * BLOCK
+        stream = client.completions.create(model="gemma-3-270m", prompt=long, max_tokens=12, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    finally:
+        server.stop()

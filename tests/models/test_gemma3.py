@@ -307,6 +307,9 @@ def test_served_through_the_openai_sdk_past_the_window_and_from_the_prefix_cache
 
     server = start_server(q4, names=["gemma-3-270m"])
     try:
+        # The engine sizes the windowed layers' pool for a window and a step (256 tokens) per slot.
+        kv = server.engine.kv
+        assert kv.groups[1].num_blocks == 16 * window_blocks(512, 256) < 16 * kv.max_blocks
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
         long = prompts[-1]
         want = q4.tokenizer.decode(long_alone)

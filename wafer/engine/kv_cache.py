@@ -243,21 +243,22 @@ class _Group:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", num_blocks: int | None = None, max_step: int = MAX_STEP,
+                 device: torch.device | str = "cpu", num_blocks: int | None = None, max_step: int | None = None,
                  windows: bool = True, window_pool: int | None = None) -> None:
         """`num_blocks`: the whole-context layers' pool (default: enough for every slot to hold
-        `max_len` tokens); `max_step`: the most tokens a sequence computes in one step, which sizes
-        the windowed layers' pools (`window_pool` blocks, default each slot's window and step;
-        plan_blocks gives both for a budget); without `windows` every layer holds the whole
-        context (a cache whose user never calls set_length, as the draft model's)."""
+        `max_len` tokens). The windowed layers' pools: `window_pool` blocks, or each slot's window
+        and a step of `max_step` tokens (the most a sequence computes in one step: its user calls
+        set_length after each, as the engine does; plan_blocks gives both sizes for a budget), or
+        by default as large as the whole context's (still given back, but never short for a user
+        that does not call set_length). Without `windows` every layer is in the whole group."""
         self.max_blocks = -(-max_len // BLOCK)  # per sequence
         num_blocks = num_blocks or num_slots * self.max_blocks
         kinds, self.layer_group = layer_groups(cfg, max_len, windows)
         self.tables = torch.zeros(len(kinds), num_slots, self.max_blocks, dtype=torch.long)  # [groups, slots, blocks]
         per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
         self.groups = [
-            _Group(w, num_blocks if w is None else window_pool or num_slots * min(window_blocks(w, max_step), self.max_blocks),
-                   self.tables[g],
+            _Group(w, num_blocks if w is None else window_pool or num_slots * min(
+                window_blocks(w, max_step) if max_step else self.max_blocks, self.max_blocks), self.tables[g],
                    per_layer * self.layer_group.count(g))
             for g, w in enumerate(kinds)
         ]
@@ -281,7 +282,7 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None,
-                  dtype: torch.dtype | None = None, max_step: int = MAX_STEP, windows: bool = True,
+                  dtype: torch.dtype | None = None, max_step: int | None = None, windows: bool = True,
                   window_pool: int | None = None) -> KVCache:
         """A cache on the model's device, in `dtype` (default: the model's activation dtype)."""
         emb = model.norm.weight  # type: ignore[union-attr]  # (the embedding may be held in file blocks)

@@ -252,4 +252,12 @@ def test_the_budget_is_shared_between_the_windowed_and_the_global_layers() -> No
     # A budget short of every slot's window beside one whole sequence: as many windows as whole
     # sequences fit (at least one), the rest to the global layer.
     assert plan_blocks(WINDOWED, torch.float32, 4, 512, window + 10 * per_layer, max_step=64) == (10, per_slot)
+    # Shorter still, a window would leave no more context than keeping every token in every layer
+    # (20 blocks' bytes: 6 blocks of 3 layers): the windows are not used.
+    assert plan_blocks(WINDOWED, torch.float32, 4, 512, 20 * per_layer, max_step=64) == (6, 0)
+    # Every layer windowed (Mistral): as many slots' windows as the budget holds, else no windows.
+    mistral = ModelConfig("mistral", 100, 8, 16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                          max_position_embeddings=512, sliding_window=WINDOW)
+    assert plan_blocks(mistral, torch.float32, 4, 512, 2 * window + per_layer, max_step=64) == (4 * 32, 2 * per_slot)
+    assert plan_blocks(mistral, torch.float32, 4, 512, 10 * per_layer, max_step=64) == (5, 0)
     assert plan_blocks(CFG, torch.float32, 4, 512, 10 * 2 * per_layer) == (10, 0)  # no window: all to the whole group

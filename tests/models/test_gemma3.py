@@ -209,7 +209,8 @@ def test_fused_step_matches_the_python_model(path, prompts, variant):
     activation on the other side of an int8 code (measured: about half the rows, by up to 0.57 of
     logits whose largest is ~22) within the quantisation noise of the bundled model's test."""
     q8 = load_model(str(path), compute="auto")
-    assert q8.compute == "q8" and FusedDecode.build(q8.model, KVCache(q8.config, 1, 16).layers) is not None
+    kv = KVCache(q8.config, 1, 16)
+    assert q8.compute == "q8" and FusedDecode.build(q8.model, kv.layers, kv.layer_group) is not None
     chosen = [prompts[-1][:600], prompts[0]]  # 600: the long one's decode steps attend past the window
     rows = close = 0
     for fused, python in decode_logits(q8, chosen, 6, variant, max_len=640):

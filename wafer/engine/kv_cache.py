@@ -98,25 +98,34 @@ def window_blocks(window: int, max_step: int) -> int:
 
 def plan_blocks(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len: int, budget: int,
                 max_step: int = MAX_STEP, windows: bool = True) -> tuple[int, int]:
-    """How `budget` bytes are shared: the blocks of the whole-context layers' pool, and of the
-    windowed layers' (each slot's window and step, where the budget holds that beside one
-    sequence of max_len in the other layers; else as many slots' as it holds whole sequences,
-    at least one). At least 1 block, at most every slot holding max_len tokens."""
+    """How `budget` bytes are shared: the blocks of the whole-context layers' pool (at least 1, at
+    most every slot holding max_len tokens), and of the windowed layers' (0: none, every layer
+    keeps every token). The windowed pools hold each slot's window and step where the budget holds
+    that beside one sequence of max_len in the other layers, else as many slots' as it holds whole
+    sequences; where it cannot hold one window and more context than the windows would save, the
+    windows are not used."""
     kinds, groups = layer_groups(cfg, max_len, windows)
     per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
     max_blocks = -(-max_len // BLOCK)
     full = num_slots * max_blocks
+    plain = max(1, min(full, budget // (cfg.num_layers * per_layer))), 0
     window = kinds[-1] if kinds and kinds[-1] is not None else None
-    whole = groups.count(0) * per_layer if kinds and kinds[0] is None else 0  # bytes a block of them
     if window is None:
-        return max(1, min(full, budget // whole)), 0
+        return plain
     per_slot = min(window_blocks(window, max_step), max_blocks)
-    windowed = groups.count(len(kinds) - 1) * per_layer * per_slot  # bytes a slot's window
-    slots = num_slots if budget >= num_slots * windowed + max_blocks * whole else budget // (windowed + max_blocks * whole)
-    slots = max(1, min(num_slots, slots))
-    if not whole:
-        return full, slots * per_slot
-    return max(1, min(full, (budget - slots * windowed) // whole)), slots * per_slot
+    windowed = groups.count(len(kinds) - 1) * per_layer * per_slot  # bytes: a slot's window
+    whole = groups.count(0) * per_layer if kinds[0] is None else 0  # bytes: a block of the other layers
+    if not whole:  # every layer windowed: as many slots' windows as the budget holds
+        slots = min(num_slots, budget // windowed)
+        return (full, slots * per_slot) if slots else plain
+    slots = budget // (windowed + max_blocks * whole)
+    if num_slots * windowed + max_blocks * whole <= budget:
+        slots = num_slots
+    if slots:
+        return min(full, (budget - min(slots, num_slots) * windowed) // whole), min(slots, num_slots) * per_slot
+    # Not one window beside a whole sequence: windows pay only where they leave more context.
+    blocks = (budget - windowed) // whole
+    return (blocks, per_slot) if blocks * BLOCK > window and blocks > plain[0] else plain
 
 
 class _Group:

@@ -71,7 +71,7 @@ class StageSpec:
     num_blocks: int
     threads: int  # compute threads of each stage process (0: torch's default)
     max_step: int  # the most tokens a sequence computes in a step
-    window_pool: int  # blocks of the windowed layers' pools (0: none)
+    window_pool: int  # blocks of the windowed layers' pools (0: every layer keeps every token)
     step_capacity: int = 1 << 22  # bytes of the receive buffers for steps; a larger step goes on its own
     logits_capacity: int = 1 << 22  # and for the logits that come back to rank 0
 
@@ -260,7 +260,7 @@ def build_stage(spec: StageSpec, rank: int) -> ModelRunner:
     loaded = load_model(spec.model, compute=spec.compute)
     keep_stage(loaded.model, *spec.ranges[rank])  # type: ignore[arg-type]
     kv = KVCache.for_model(loaded.model, spec.num_slots, spec.max_len, spec.num_blocks, spec.kv_dtype, spec.max_step,
-                           window_pool=spec.window_pool or None)
+                           windows=spec.window_pool > 0, window_pool=spec.window_pool or None)
     return ModelRunner(loaded.model, kv)  # type: ignore[arg-type]
 
 

@@ -56,10 +56,10 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model: LlamaModel | Gemma3Model, caches: list[tuple[torch.Tensor, torch.Tensor]],
-              groups: list[int] | None = None, ext: ModuleType | None = None) -> FusedDecode | None:
-        """For the model and its KV cache (each layer's pools, and its group of the cache's
-        tables: all 0 by default), on the active kernel variant or `ext` (one of kernels.load()'s);
-        None unless every linear layer runs on wafer's block kernels (the q4 and q8 paths)."""
+              groups: list[int], ext: ModuleType | None = None) -> FusedDecode | None:
+        """For the model and its KV cache (each layer's pools, and its group of the cache's tables:
+        KVCache.layer_group), on the active kernel variant or `ext` (one of kernels.load()'s); None
+        unless every linear layer runs on wafer's block kernels (the q4 and q8 paths)."""
         ext = ext or kernels()
         if ext is None or not isinstance(model, (LlamaModel, Gemma3Model)):
             return None
@@ -78,7 +78,7 @@ class FusedDecode:
             out_features += [mod.out_features for mod in mods]
         if model.lm_head is not None:
             out_features.append(model.lm_head.out_features)
-        return cls(model, ext, flat + head, out_features, list(groups) if groups is not None else [0] * len(model.layers))
+        return cls(model, ext, flat + head, out_features, list(groups))
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

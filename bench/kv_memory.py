@@ -72,7 +72,7 @@ def held_context(cfg, dtype: torch.dtype, ctx: int, windows: bool, step: int = 2
     cache's own count) and how much the process's resident memory grew (MB)."""
     gc.collect()
     before = rss_mb()
-    kv = KVCache(cfg, 1, ctx, dtype, max_step=step, windows=windows)
+    kv = KVCache(cfg, 1, ctx, dtype, max_step=step, window_pool=None if windows else 0)
     slot, _ = kv.allocate(list(range(ctx)))
     done = 0
     while done < ctx:
@@ -98,7 +98,7 @@ def sequences_in(cfg, dtype: torch.dtype, budget: int, length: int, windows: boo
     fits = 0
     for n in range(1, 1024):
         blocks, pool = plan_blocks(cfg, dtype, n, length, budget, step, windows)
-        kv = KVCache(cfg, n, length, dtype, num_blocks=blocks, max_step=step, windows=windows, window_pool=pool or None)
+        kv = KVCache(cfg, n, length, dtype, num_blocks=blocks, max_step=step, window_pool=pool)
         if kv.capacity_bytes > budget:
             break
         try:

@@ -236,7 +236,7 @@ def test_a_prefix_is_found_only_where_its_last_window_is_held() -> None:
 
 
 def test_without_windows_every_layer_keeps_the_whole_context() -> None:
-    kv = KVCache(WINDOWED, num_slots=2, max_len=512, windows=False)
+    kv = KVCache(WINDOWED, num_slots=2, max_len=512, window_pool=0)
     assert kv.layer_group == [0, 0, 0] and len(kv.groups) == 1
     assert KVCache(WINDOWED, num_slots=2, max_len=WINDOW).layer_group == [0, 0, 0]  # the window is the whole context
 

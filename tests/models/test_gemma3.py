@@ -256,7 +256,7 @@ def windowed_run(loaded: LoadedModel, prompt: list[int], windows: bool, chunk: i
                  steps: int = 6) -> tuple[list[torch.Tensor], KVCache]:
     """The prompt in chunks, then greedy decode steps, each followed by set_length as in the
     engine (where windowed layers give back what has left their window): each step's logits."""
-    kv = KVCache(loaded.config, 1, 2048, max_step=chunk, windows=windows)
+    kv = KVCache(loaded.config, 1, 2048, max_step=chunk, window_pool=None if windows else 0)
     runner = ModelRunner(loaded.model, kv)
     seq = Sequence(list(prompt), SamplingParams())
     seq.slot, _ = kv.allocate()

@@ -45,7 +45,6 @@ class GraphedDecode:
         self.kv = kv
         self.caches = kv.layers
         self.max_len = kv.max_len
-        self.groups = {w: g for w, g in zip(model.config.windows, kv.layer_group)}
         device = kv.layers[0][0].device
         self.max_batch = max_batch
         self.sizes = buckets(max_batch)
@@ -61,7 +60,7 @@ class GraphedDecode:
 
     def _forward(self, n: int, length: int) -> torch.Tensor:
         batch = AttentionBatch.static_decode(self.tables[:, :n, : -(-length // BLOCK)], self.positions[:n], BLOCK,
-                                             self.groups)
+                                             self.kv.window_group)
         return self.model(self.ids[:n], self.positions[:n], batch, self.caches)
 
     def _capture_all(self) -> None:

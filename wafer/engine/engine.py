@@ -139,8 +139,7 @@ class LLMEngine:
         # One sequence must always fit, so that preemption can always make progress.
         self.max_model_len = min(self.max_model_len, num_blocks * BLOCK)
         self.kv = KVCache.for_model(loaded.model, self.config.max_running, self.max_model_len, num_blocks,
-                                    self.kv_dtype, self.max_step, windows=self.window_pool > 0,
-                                    window_pool=self.window_pool or None)
+                                    self.kv_dtype, self.max_step, self.window_pool)
         self.scheduler = Scheduler(self.kv, self.config.max_running, self.config.max_batched_tokens,
                                    self.config.prefix_caching)
         self.pipeline: PipelineExecutor | None = None

@@ -96,6 +96,11 @@ def window_blocks(window: int, max_step: int) -> int:
     return (window - 1 + max_step) // BLOCK + 2
 
 
+def _slot_window(window: int, max_step: int | None, max_blocks: int) -> int:
+    """A slot's share of a windowed pool: its window and step, or (no step given) its whole context."""
+    return min(window_blocks(window, max_step) if max_step else max_blocks, max_blocks)
+
+
 def plan_blocks(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len: int, budget: int,
                 max_step: int = MAX_STEP, windows: bool = True) -> tuple[int, int]:
     """How `budget` bytes are shared: the blocks of the whole-context layers' pool (at least 1, at
@@ -112,7 +117,7 @@ def plan_blocks(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_len: i
     window = kinds[-1] if kinds and kinds[-1] is not None else None
     if window is None:
         return plain
-    per_slot = min(window_blocks(window, max_step), max_blocks)
+    per_slot = _slot_window(window, max_step, max_blocks)
     windowed = groups.count(len(kinds) - 1) * per_layer * per_slot  # bytes: a slot's window
     whole = groups.count(0) * per_layer if kinds[0] is None else 0  # bytes: a block of the other layers
     if not whole:  # every layer windowed: as many slots' windows as the budget holds
@@ -253,22 +258,23 @@ class _Group:
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", num_blocks: int | None = None, max_step: int | None = None,
-                 windows: bool = True, window_pool: int | None = None) -> None:
+                 window_pool: int | None = None) -> None:
         """`num_blocks`: the whole-context layers' pool (default: enough for every slot to hold
-        `max_len` tokens). The windowed layers' pools: `window_pool` blocks, or each slot's window
-        and a step of `max_step` tokens (the most a sequence computes in one step: its user calls
-        set_length after each, as the engine does; plan_blocks gives both sizes for a budget), or
-        by default as large as the whole context's (still given back, but never short for a user
-        that does not call set_length). Without `windows` every layer is in the whole group."""
+        `max_len` tokens). The windowed layers' pools: `window_pool` blocks (0: no windowed pools,
+        every layer keeps every token), or each slot's window and a step of `max_step` tokens (the
+        most a sequence computes in one step: its user calls set_length after each, as the engine
+        does; plan_blocks gives both sizes for a budget), or by default as large as the whole
+        context's (still given back, but never short for a user that does not call set_length)."""
         self.max_blocks = -(-max_len // BLOCK)  # per sequence
         num_blocks = num_blocks or num_slots * self.max_blocks
-        kinds, self.layer_group = layer_groups(cfg, max_len, windows)
+        kinds, self.layer_group = layer_groups(cfg, max_len, window_pool != 0)
+        # The group (of pools and tables) that each attention window of the model reads.
+        self.window_group = {w: g for w, g in zip(cfg.windows, self.layer_group)}
         self.tables = torch.zeros(len(kinds), num_slots, self.max_blocks, dtype=torch.long)  # [groups, slots, blocks]
         per_layer = layer_bytes_per_token(cfg, dtype) * BLOCK
         self.groups = [
-            _Group(w, num_blocks if w is None else window_pool or num_slots * min(
-                window_blocks(w, max_step) if max_step else self.max_blocks, self.max_blocks), self.tables[g],
-                   per_layer * self.layer_group.count(g))
+            _Group(w, num_blocks if w is None else window_pool or num_slots * _slot_window(w, max_step, self.max_blocks),
+                   self.tables[g], per_layer * self.layer_group.count(g))
             for g, w in enumerate(kinds)
         ]
         # A KV head's blocks lie together: a sequence's consecutive blocks of one head are then one
@@ -291,12 +297,12 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_len: int, num_blocks: int | None = None,
-                  dtype: torch.dtype | None = None, max_step: int | None = None, windows: bool = True,
+                  dtype: torch.dtype | None = None, max_step: int | None = None,
                   window_pool: int | None = None) -> KVCache:
         """A cache on the model's device, in `dtype` (default: the model's activation dtype)."""
         emb = model.norm.weight  # type: ignore[union-attr]  # (the embedding may be held in file blocks)
         return cls(model.config, num_slots, max_len, dtype or emb.dtype, emb.device, num_blocks,  # type: ignore[arg-type]
-                   max_step, windows, window_pool)
+                   max_step, window_pool)
 
     # --- sizes ---------------------------------------------------------------------------------
     @property

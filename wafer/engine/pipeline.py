@@ -260,7 +260,7 @@ def build_stage(spec: StageSpec, rank: int) -> ModelRunner:
     loaded = load_model(spec.model, compute=spec.compute)
     keep_stage(loaded.model, *spec.ranges[rank])  # type: ignore[arg-type]
     kv = KVCache.for_model(loaded.model, spec.num_slots, spec.max_len, spec.num_blocks, spec.kv_dtype, spec.max_step,
-                           windows=spec.window_pool > 0, window_pool=spec.window_pool or None)
+                           spec.window_pool)
     return ModelRunner(loaded.model, kv)  # type: ignore[arg-type]
 
 

@@ -49,8 +49,6 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.windows = set(model.config.windows)
-        # Which group of the cache's layers (and tables) each attention window reads.
-        self.groups = {w: g for w, g in zip(model.config.windows, kv.layer_group)}
         self.device = kv.layers[0][0].device
         # A pipeline stage runs its own layers on the pools of those layers.
         first, _, _ = getattr(model, "stage", (0, 0, 0))
@@ -113,7 +111,7 @@ class ModelRunner:
             decode_len=nblk * BLOCK,
             decode_masks=decode_masks(lengths, nblk * BLOCK, self.windows) if singles else {},
             prefills=prefills,
-            groups=self.groups,
+            groups=self.kv.window_group,
         )
         # Logits rows in the caller's order of `scheduled`, for the items that sample.
         ends: dict[int, int] = {}

@@ -130,7 +130,7 @@ class DraftModelProposer:
         self.model = model
         # Its positions are written again after a rejection and never passed on as done, so its
         # windowed layers (if any) keep every token.
-        self.kv = KVCache.for_model(model, num_slots, max_len, windows=False)
+        self.kv = KVCache.for_model(model, num_slots, max_len, window_pool=0)
         self.runner = ModelRunner(model, self.kv)
         self.cached: dict[int, int] = {}  # seq_id -> leading tokens whose KV the draft cache holds
         self.generator = torch.Generator()

@@ -112,14 +112,16 @@ def test_config_takes_replicas_or_base_url(tmp_path):
 # --- three real servers behind a real router ------------------------------------------------------
 
 class SlowDown:
-    """An ASGI app that answers every POST a second late."""
+    """An ASGI app that answers every POST `delay` seconds late."""
+
+    delay = 1.0
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(SlowDown.delay)
         await self.app(scope, receive, send)
 
 
@@ -207,13 +209,21 @@ def test_least_outstanding_sends_less_to_the_slow_replica(replicas):
         r = ask(front, "balanced", [{"role": "user", "content": f"Count to {i}."}], max_tokens=4)
         out.append(r.headers["x-wafer-replica"])
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-        time.sleep(0.1)
-    for t in threads:
-        t.join()
-    assert len(out) == 12 and urls["c"] not in out
+    # Least outstanding sends each replica a share that follows its speed. On two cores shared by the
+    # front, both replicas and the client, the fast replica's own latency can reach a second or two;
+    # the slow one holds every request it gets for longer than the whole run of arrivals, so the fast
+    # one gets more as long as it finishes any within that run.
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    SlowDown.delay = 6.0
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join()
+    finally:
+        SlowDown.delay = 1.0
+    assert len(out) == 16 and urls["c"] not in out
     assert out.count(urls["a"]) > out.count(urls["b"]), out
 
 

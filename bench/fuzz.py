@@ -12,6 +12,7 @@ bench/out/fuzz-failures.jsonl.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 from pathlib import Path
@@ -40,11 +41,17 @@ def main() -> int:
     ap.add_argument("--only", action="append", default=None, metavar="GENERATOR",
                     help=f"this generator alone (repeatable): {', '.join(WEIGHTS)}")
     ap.add_argument("--model", default=MODEL, help=f"what `wafer serve` serves (default {MODEL}, the default model)")
+    ap.add_argument("--client-nice", type=int, default=19,
+                    help="the nice value this client runs at once the server is up (default 19)")
     ap.add_argument("--serve-arg", action="append", default=[], help="another argument for `wafer serve` (repeatable)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**32)
 
     server = start([args.model, *args.serve_arg], LOG)
+    # The client's hypothesis work shares this machine's cores with the server; a remote client costs
+    # the server none. At nice 19 it takes what the server leaves, so the stalls measured are the
+    # server's own (--client-nice 0: the two compete as equals).
+    os.nice(args.client_nice)
     try:
         model = httpx.get(server.root + "/health", timeout=30).json()["models"][0]["name"]
         # The first step warms the kernels and thread pools; that stall is start-up, not a request's.

@@ -1,13 +1,16 @@
 """The pre-rendered events of the streaming path are byte for byte what serialising the whole
-chunk gives."""
+chunk gives; heavy preparation runs off the loop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import pytest
 
-from wafer.server.generation import TEXT_HOLE, sse, text_event
+from wafer.engine.async_engine import SIDE_WORK
+from wafer.server.generation import TEXT_HOLE, off_loop, sse, text_event
 
 
 @pytest.mark.parametrize("text", ["", "Hello", ' "quoted" \\ back', "line\nbreak\ttab", "é 中文 🙂", "\x00\x1f",
@@ -21,3 +24,18 @@ def test_text_event_matches_whole_serialisation(text):
     line = text_event(chunk(TEXT_HOLE))(text)
     assert line == sse(chunk(text))
     assert json.loads(line.removeprefix("data: "))["choices"][0]["delta"]["content"] == text
+
+
+def test_heavy_preparation_runs_off_the_loop_as_side_work():
+    """A heavy request's preparation runs on another thread, counted as side work (the engine's steps
+    leave it a core meanwhile); a light one runs on the loop, uncounted."""
+    def where() -> tuple[int, int]:
+        return threading.get_ident(), SIDE_WORK.active
+
+    async def main() -> tuple[int, tuple[int, int], tuple[int, int]]:
+        return threading.get_ident(), await off_loop(True, where), await off_loop(False, where)
+
+    loop_thread, heavy, light = asyncio.run(main())
+    assert heavy[0] != loop_thread and heavy[1] == 1
+    assert light == (loop_thread, 0)
+    assert SIDE_WORK.active == 0

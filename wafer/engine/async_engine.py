@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wafer.engine import defaults
-from wafer.engine.compute_threads import ComputeThreads
+from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads
 from wafer.engine.constraints import GrammarMatcher
 from wafer.engine.engine import EngineSnapshot, LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
@@ -268,10 +268,15 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
         e._wake = wake
     # This thread's compute workers: idle between steps, so that what the HTTP work wakes (a client
     # on this machine) takes their core rather than this thread's (see compute_threads.py).
-    workers = ComputeThreads(torch.get_num_threads())
+    full = torch.get_num_threads()
+    threads = full
+    workers = ComputeThreads(full)
     try:
         while True:
             busy = False
+            if (want := SIDE_WORK.threads_for(full)) != threads:  # requests being prepared take a core
+                torch.set_num_threads(want)
+                threads = want
             workers.busy()
             with torch.inference_mode():  # entered per turn: the mode must not leak into the handlers
                 for e in engines:
@@ -284,5 +289,7 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
                 wake.clear()
     finally:
         workers.busy()
+        if threads != full:
+            torch.set_num_threads(full)
         for e in engines:
             e._wake = None

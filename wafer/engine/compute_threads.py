@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -126,3 +128,38 @@ class ComputeThreads:
         if self.ids and self._idle:
             self._set(os.SCHED_OTHER)
             self._idle = False
+
+
+class SideWork:
+    """Work that this process does in other threads while the engines step: requests prepared off
+    the event loop (parsing large bodies, templates, tokenizing, compiling grammars).
+
+    On a machine whose cores the step's compute threads fill, such a thread preempts one of them,
+    and each of the step's hundreds of parallel regions then waits for the preempted thread: beside
+    the fuzz run's preparations a 16-token prefill that takes about 15 ms took 200 to 600 ms, and
+    held every stream that long. While side work runs, a step leaves it a core (`threads_for`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        with self._lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def threads_for(self, full: int) -> int:
+        """Compute threads for the next step, of `full`: one fewer per job running beside it, at least one."""
+        return max(1, full - self._active)
+
+
+SIDE_WORK = SideWork()  # one per process, as its cores are

@@ -5,16 +5,20 @@ their outputs to usage, logprobs and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
 from wafer.engine.async_engine import (
+    SIDE_WORK,
     AsyncEngine,
     EngineFailure,
     EngineOverloaded,
@@ -52,9 +56,23 @@ TEXT_HOLE = "\x00wafer-text\x00"  # stands for a chunk's text in a pre-rendered 
 OFF_LOOP_BYTES = 16 * 1024
 
 
+# Threads that prepare heavy requests: half the cores at most, so that however many arrive at once
+# the engine's steps keep the other half (each preparation running takes a compute thread's core,
+# SIDE_WORK); the rest wait their turn, as the work they queue for is theirs.
+_PREPARERS = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="wafer-prepare")
+
+
 async def off_loop(heavy: bool, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`, in a worker thread when `heavy`; small requests skip the thread hop."""
-    return await asyncio.to_thread(fn, *args) if heavy else fn(*args)
+    """`fn(*args)`, in a preparing thread when `heavy`, counted as side work so that the engine's
+    steps leave it a core meanwhile; small requests skip the thread hop."""
+    if not heavy:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_PREPARERS, functools.partial(_beside_steps, fn, *args))
+
+
+def _beside_steps(fn: Callable[..., Any], *args: Any) -> Any:
+    with SIDE_WORK.running():
+        return fn(*args)
 
 
 async def unless_disconnect(consume: Awaitable[None], request: Request, abort: Callable[[], None] | None = None) -> bool:

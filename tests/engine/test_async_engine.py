@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
-from wafer.engine.async_engine import SIDE_WORK, AsyncEngine, run_engines
+from wafer.engine.async_engine import AsyncEngine
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.models.loader import load_model
@@ -50,43 +48,3 @@ def test_abort_ends_a_request_before_the_next_step(tiny_dir):
     assert not engine.poll()  # the abort is taken first, so nothing is left to step
     assert engine.num_running == 0 and engine.engine.kv.num_used == 0
 
-
-def test_steps_leave_a_core_to_requests_prepared_beside_them(tiny_dir):
-    """While side work runs in the process (a large request prepared off the loop), run_engines
-    steps on one compute thread fewer, so that no parallel region waits for a thread the preparation
-    preempted; once it is done, on all of them again."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # what a 2-core machine runs; any machine can
-    engine = AsyncEngine(LLMEngine(load_model(str(tiny_dir)), EngineConfig(max_running=4, max_model_len=128)))
-    seen: list[tuple[int, int]] = []
-    step = engine.engine.step
-
-    def counting_step() -> list[SequenceOutput]:
-        seen.append((SIDE_WORK.active, torch.get_num_threads()))
-        return step()
-
-    engine.engine.step = counting_step  # type: ignore[method-assign]
-
-    async def finish(req) -> None:  # type: ignore[no-untyped-def]
-        while not (await asyncio.wait_for(req.queue.get(), 60)).finished:
-            pass
-
-    async def main() -> None:
-        stepping = asyncio.create_task(run_engines([engine]))
-        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-        try:
-            with SIDE_WORK.running():
-                await finish(engine.submit([1, 5, 9], params))
-            await finish(engine.submit([1, 7, 11], params))
-        finally:
-            stepping.cancel()
-            await asyncio.gather(stepping, return_exceptions=True)
-
-    try:
-        asyncio.run(main())
-        after = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
-    assert [t for active, t in seen if active] == [1, 1, 1]
-    assert [t for active, t in seen if not active] == [2, 2, 2]
-    assert after == 2  # given back when the stepping ends

@@ -1,19 +1,28 @@
 """The calling thread's OpenMP workers: found by their thread ids, set idle between the server's
-steps (and given their policy back), and let go of by release_compute_threads."""
+steps (and given their policy back), and let go of by release_compute_threads; steps leave a core
+to side work (requests prepared off the loop)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
 import torch
 
 from wafer.engine.async_engine import AsyncEngine, run_engines
-from wafer.engine.compute_threads import ComputeThreads, can_leave_idle, release_compute_threads, worker_ids
+from wafer.engine.compute_threads import (
+    SIDE_WORK,
+    ComputeThreads,
+    SideWork,
+    can_leave_idle,
+    release_compute_threads,
+    worker_ids,
+)
 from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.sequence import SamplingParams
+from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.models.loader import load_model
 
 
@@ -95,3 +104,75 @@ def test_run_engines_idles_its_workers_between_steps_and_restores_them(tiny_dir)
     assert ids
     assert between == {os.SCHED_IDLE}
     assert after == {os.SCHED_OTHER}
+
+
+def test_steps_leave_a_core_to_requests_prepared_beside_them(tiny_dir):
+    """While side work runs in the process (a large request prepared off the loop), run_engines
+    steps on one compute thread fewer, so that no parallel region waits for a thread the preparation
+    preempted; once it is done, on all of them again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what a 2-core machine runs; any machine can
+    engine = AsyncEngine(LLMEngine(load_model(str(tiny_dir)), EngineConfig(max_running=4, max_model_len=128)))
+    seen: list[tuple[int, int]] = []
+    step = engine.engine.step
+
+    def counting_step() -> list[SequenceOutput]:
+        seen.append((SIDE_WORK.active, torch.get_num_threads()))
+        return step()
+
+    engine.engine.step = counting_step  # type: ignore[method-assign]
+
+    async def finish(req) -> None:  # type: ignore[no-untyped-def]
+        while not (await asyncio.wait_for(req.queue.get(), 60)).finished:
+            pass
+
+    async def main() -> None:
+        stepping = asyncio.create_task(run_engines([engine]))
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        try:
+            with SIDE_WORK.running():
+                await finish(engine.submit([1, 5, 9], params))
+            await finish(engine.submit([1, 7, 11], params))
+        finally:
+            stepping.cancel()
+            await asyncio.gather(stepping, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert [t for active, t in seen if active] == [1, 1, 1]
+    assert [t for active, t in seen if not active] == [2, 2, 2]
+    assert after == 2  # given back when the stepping ends
+
+
+def test_side_work_starts_once_a_step_that_uses_its_core_ends():
+    side = SideWork()
+    assert side.step_begins(2) == 2  # nothing beside it: every thread
+    started = threading.Event()
+
+    def job() -> None:
+        with side.running(wait=30):
+            started.set()
+            time.sleep(0.2)
+
+    t = threading.Thread(target=job)
+    t.start()
+    assert not started.wait(0.3)  # the step in flight computes on the core the job is to take
+    side.step_ends()
+    assert started.wait(10)
+    assert side.step_begins(2) == 1 and side.active == 1  # the job runs: one thread fewer
+    side.step_ends()
+    t.join()
+    assert side.active == 0 and side.step_begins(2) == 2
+    side.step_ends()
+    assert side.step_begins(1) == 1  # never fewer than one
+
+
+def test_side_work_beside_a_step_that_left_it_a_core_starts_at_once():
+    side = SideWork()
+    side.step_begins(1)  # one thread: the job's core is free
+    with side.running(wait=30):
+        assert side.active == 1
+    side.step_ends()

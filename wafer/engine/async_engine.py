@@ -274,13 +274,16 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
     try:
         while True:
             busy = False
-            if (want := SIDE_WORK.threads_for(full)) != threads:  # requests being prepared take a core
+            if (want := SIDE_WORK.step_begins(full)) != threads:  # requests being prepared take a core
                 torch.set_num_threads(want)
                 threads = want
             workers.busy()
             with torch.inference_mode():  # entered per turn: the mode must not leak into the handlers
-                for e in engines:
-                    busy |= e.poll()
+                try:
+                    for e in engines:
+                        busy |= e.poll()
+                finally:
+                    SIDE_WORK.step_ends()
             workers.idle()
             if busy:
                 await _after_io()

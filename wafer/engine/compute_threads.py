@@ -137,29 +137,46 @@ class SideWork:
     On a machine whose cores the step's compute threads fill, such a thread preempts one of them,
     and each of the step's hundreds of parallel regions then waits for the preempted thread: beside
     the fuzz run's preparations a 16-token prefill that takes about 15 ms took 200 to 600 ms, and
-    held every stream that long. While side work runs, a step leaves it a core (`threads_for`)."""
+    held every stream that long. So while side work runs, a step leaves it a core (`step_begins`),
+    and a job that arrives during a step that uses its core starts when that step ends (a step
+    lasts about --prefill-step-ms; the job waits at most `wait` seconds)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._active = 0
+        self._full = 0  # the stepping thread's compute threads in all
+        self._stepping = 0  # compute threads of the step in flight; 0: none
+
+    def _threads_for(self, full: int) -> int:
+        return max(1, full - self._active)
 
     @contextmanager
-    def running(self) -> Iterator[None]:
-        with self._lock:
+    def running(self, wait: float = 0.5) -> Iterator[None]:
+        with self._cond:
             self._active += 1
+            self._cond.wait_for(lambda: self._stepping <= self._threads_for(self._full), wait)
         try:
             yield
         finally:
-            with self._lock:
+            with self._cond:
                 self._active -= 1
 
     @property
     def active(self) -> int:
         return self._active
 
-    def threads_for(self, full: int) -> int:
-        """Compute threads for the next step, of `full`: one fewer per job running beside it, at least one."""
-        return max(1, full - self._active)
+    def step_begins(self, full: int) -> int:
+        """The compute threads for a step about to run, of `full`: one fewer per job running beside
+        it, at least one."""
+        with self._cond:
+            self._full = full
+            self._stepping = self._threads_for(full)
+            return self._stepping
+
+    def step_ends(self) -> None:
+        with self._cond:
+            self._stepping = 0
+            self._cond.notify_all()
 
 
 SIDE_WORK = SideWork()  # one per process, as its cores are

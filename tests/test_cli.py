@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from wafer.cli import build_parser
+
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "wafer.cli", *args], input=stdin, capture_output=True, text=True,
@@ -58,3 +60,11 @@ def test_chat_is_multi_turn():
     assert "Biscuit" in replies[2], replies
     alone = run(*args, stdin="What is my dog called?\n").stdout.split(">>> ")[1]
     assert "Biscuit" not in alone, alone
+
+
+def test_a_negative_prefill_step_is_refused_before_any_model_loads(capsys):
+    with pytest.raises(SystemExit) as e:  # by argparse: no model is loaded to find it out
+        build_parser().parse_args(["serve", "--prefill-step-ms", "-5"])
+    assert e.value.code == 2
+    assert "--prefill-step-ms: must be 0 or more, not -5" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--prefill-step-ms", "0"]).prefill_step_ms == 0

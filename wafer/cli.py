@@ -229,6 +229,17 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     _quant_arg(p)
 
 
+def _non_negative(text: str) -> int:
+    """An argparse type: refused before any model loads, with argparse's usage line."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def _quant_arg(p: argparse.ArgumentParser) -> None:
     from wafer.models.quant import PATHS
 
@@ -287,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN, help="context to allocate per sequence")
     s.add_argument("--max-batched-tokens", type=int, default=defaults.MAX_BATCHED_TOKENS,
                    help="tokens per engine step (prefill chunk)")
-    s.add_argument("--prefill-step-ms", type=int, default=round(defaults.PREFILL_STEP_SECONDS * 1000), metavar="MS",
+    s.add_argument("--prefill-step-ms", type=_non_negative, default=round(defaults.PREFILL_STEP_SECONDS * 1000), metavar="MS",
                    help="how long a step's prompt work may take while other streams wait for their next token "
                         "(learned per token; 0: only --max-batched-tokens bounds it)")
     s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "fp8"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams
 
@@ -23,7 +25,8 @@ def test_a_long_prompt_is_read_in_steps_of_bounded_time(smollm):
     long_prompt = list(range(100, 400))
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
-    engine._seconds_per_token = 0.001  # as if learned: 20 prompt tokens fit in the step's 20 ms
+    # as if learned: 20 prompt tokens fit in the step's 20 ms on this machine's compute threads
+    engine._core_seconds_per_token = 0.001 * torch.get_num_threads()
     engine._time_prefill = lambda scheduled, seconds: None  # and kept, whatever this machine's cost
     counts = _prompt_tokens_per_step(engine, long_prompt)
     assert max(counts[:-1]) <= 20 and max(counts) <= 20, counts
@@ -38,7 +41,7 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
     request) for as long as it runs."""
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
-    engine._seconds_per_token = 0.001
+    engine._core_seconds_per_token = 0.001 * torch.get_num_threads()
     engine._time_prefill = lambda scheduled, seconds: None  # keep the cost as set, whatever this machine's
     seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     counts = []
@@ -53,8 +56,23 @@ def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.05))
     assert engine._prefill_cap() is None  # nothing measured yet: no cap
     engine.generate([list(range(100, 300))], SamplingParams(max_tokens=2, temperature=0))
-    assert engine._seconds_per_token is not None and 0 < engine._seconds_per_token < 0.05
+    assert engine._core_seconds_per_token is not None and 0 < engine._core_seconds_per_token < 0.05
     assert engine._prefill_cap() >= 16
+
+
+def test_a_step_on_fewer_compute_threads_takes_a_smaller_chunk(smollm):
+    """The cost is learned per core: where the server leaves a core to a request it prepares, a step's
+    chunk shrinks with its threads, so that the step still takes about the time allowed."""
+    engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.064))
+    engine._core_seconds_per_token = 0.002
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert engine._prefill_cap() == 64
+        torch.set_num_threads(1)
+        assert engine._prefill_cap() == 32
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):

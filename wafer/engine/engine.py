@@ -154,7 +154,7 @@ class LLMEngine:
         if self.config.pipeline_parallel > 1:
             self.pipeline = self._make_pipeline(loaded, num_blocks)
         self.runner = self.pipeline.runner if self.pipeline is not None else ModelRunner(loaded.model, self.kv)
-        self._seconds_per_token: float | None = None  # of a prompt token in a step (see _time_prefill)
+        self._core_seconds_per_token: float | None = None  # of a prompt token in a step (see _time_prefill)
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
         spec = self.config.speculative
@@ -416,19 +416,22 @@ class LLMEngine:
     _MIN_CHUNK = 16  # a prompt always advances by at least this much a step
 
     def _prefill_cap(self) -> int | None:
-        if self.config.prefill_step_seconds is None or self._seconds_per_token is None:
+        if self.config.prefill_step_seconds is None or self._core_seconds_per_token is None:
             return None
-        return max(self._MIN_CHUNK, int(self.config.prefill_step_seconds / self._seconds_per_token))
+        seconds_per_token = self._core_seconds_per_token / torch.get_num_threads()
+        return max(self._MIN_CHUNK, int(self.config.prefill_step_seconds / seconds_per_token))
 
     def _time_prefill(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
         """Learn the cost of a token from steps of some prompt work, as a moving average that
         follows the machine's load. The step's fixed cost counts in, more so in a short step, so
-        that the cap settles where a whole step, not its prompt work alone, takes the time allowed."""
+        that the cap settles where a whole step, not its prompt work alone, takes the time allowed.
+        Counted in core-seconds: a step on fewer compute threads (the server leaves cores to requests
+        it prepares) takes a smaller chunk, not the same one for longer."""
         prompt = sum(max(0, min(item.count, item.seq.num_prompt - item.start)) for item in scheduled)
         if prompt >= self._MIN_CHUNK:
-            per_token = seconds / sum(item.count for item in scheduled)
-            old = self._seconds_per_token
-            self._seconds_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
+            per_token = seconds * torch.get_num_threads() / sum(item.count for item in scheduled)
+            old = self._core_seconds_per_token
+            self._core_seconds_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
 
     # --- failures of one sequence -----------------------------------------------------------------
     def _forward(self, scheduled: list[ScheduledSeq], failed: list[SequenceOutput]

@@ -13,6 +13,7 @@ import os
 from typing import Any
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,6 +80,34 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int = defau
     )
 
 
+class FrozenHeap:
+    """What start-up made (torch, the models, the tokenizers: about 250,000 objects) lives as long as
+    the server. Frozen out of the collector's sight (gc.freeze), it is no longer scanned by every
+    full collection, which runs on whatever thread allocates and holds the GIL meanwhile: about
+    115 ms of every stream's time on a 2-core machine. vLLM freezes its heap after start-up too.
+    Frozen while any server of this process runs; a process that goes on (a test's) collects it
+    again after the last one stops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.servers = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            gc.collect()
+            gc.freeze()
+            self.servers += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self.servers -= 1
+            if self.servers == 0:
+                gc.unfreeze()
+
+
+FROZEN = FrozenHeap()  # one per process, as the collector is
+
+
 class EngineServer(uvicorn.Server):
     """uvicorn with the served models' engines stepped by a task on its own event loop. Should that
     task die, the server stops rather than accept requests nobody will answer."""
@@ -90,12 +119,7 @@ class EngineServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def,override]
         self.loop = asyncio.get_running_loop()
-        # What start-up made (torch, the models, the tokenizers: about 250,000 objects) lives as long
-        # as the server. Frozen, out of the collector's sight, it is no longer scanned by every full
-        # collection, which runs on whatever thread allocates and holds the GIL meanwhile: about
-        # 115 ms of every stream's time on a 2-core machine (vLLM freezes its heap after start-up too).
-        gc.collect()
-        gc.freeze()
+        FROZEN.enter()
         stepping = self.loop.create_task(run_engines([m.engine for m in self.served]))
         stepping.add_done_callback(self._stepping_ended)
         try:
@@ -103,7 +127,7 @@ class EngineServer(uvicorn.Server):
         finally:
             stepping.cancel()
             await asyncio.gather(stepping, return_exceptions=True)  # a death was logged when it happened
-            gc.unfreeze()  # a process that goes on (a test's) collects them again
+            FROZEN.exit()
 
     def _stepping_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:

@@ -47,4 +47,3 @@ def test_abort_ends_a_request_before_the_next_step(tiny_dir):
     engine.abort(req)
     assert not engine.poll()  # the abort is taken first, so nothing is left to step
     assert engine.num_running == 0 and engine.engine.kv.num_used == 0
-

@@ -198,6 +198,93 @@ inline void weighted_sum(const float* p, int64_t start, int64_t end, int shift, 
     for (int64_t e = 0; e < n; ++e) o[e] *= scale;
 }
 
+constexpr int64_t kMaxHeads = 4;  // query heads that one pass over a KV head's rows serves
+
+// Each of H query heads (q, H rows of n) times one key row: out[h] = q_h . k (without k's scale).
+template <int H, class T>
+inline void dots(const float* q, const T* k, int64_t n, float* out) {
+    simd::F acc[H];
+    for (int h = 0; h < H; ++h) acc[h] = simd::zero();
+    for (int64_t e = 0; e < n; e += 16) {
+        const simd::F kv = load_kv(k + e);
+        for (int h = 0; h < H; ++h) acc[h] = simd::fma(simd::load(q + h * n + e), kv, acc[h]);
+    }
+    for (int h = 0; h < H; ++h) out[h] = simd::sum(acc[h]);
+}
+
+// o[h] = sum_j p[h][j] v_j / total[h] for H heads over positions [start, end) (rows as in
+// weighted_sum), 16 elements of the output at a time, so that each value row is loaded and
+// converted once for all H heads.
+template <int H, class Row>
+inline void weighted_sums(const float* p, int64_t stride, int64_t start, int64_t end, int shift, Row row,
+                          const float* total, float* o, int64_t n) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(row(start))>>;
+    const int64_t R = kv_row<T>(n);
+    for (int64_t e = 0; e < n; e += 16) {
+        simd::F acc[H];
+        for (int h = 0; h < H; ++h) acc[h] = simd::zero();
+        for (int64_t j0 = start; j0 < end;) {
+            const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+            const T* r = row(j0);
+            for (int64_t j = j0; j < stop; ++j, r += R) {
+                const simd::F v = load_kv(r + e);
+                const float sc = kv_scale(r, n);
+                for (int h = 0; h < H; ++h) acc[h] = simd::fma(simd::set1(p[h * stride + j] * sc), v, acc[h]);
+            }
+            j0 = stop;
+        }
+        for (int h = 0; h < H; ++h) simd::store(o + h * n + e, acc[h] * simd::set1(1.0f / total[h]));
+    }
+}
+
+template <int H, class KRow, class VRow>
+inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int shift, float scale, KRow krow, VRow vrow,
+                     float* p, int64_t stride, float* o) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(krow(start))>>;
+    const int64_t R = kv_row<T>(n), B = int64_t{1} << shift;
+    for (int64_t j0 = start; j0 < end;) {
+        const T* K = krow(j0);
+        const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+        if (stop < end) prefetch_rows(krow(stop), std::min(B, end - stop) * R);
+        for (int64_t j = j0; j < stop; ++j, K += R) {
+            float d[H];
+            dots<H>(q, K, n, d);
+            const float ks = kv_scale(K, n) * scale;
+            for (int h = 0; h < H; ++h) p[h * stride + j] = d[h] * ks;
+        }
+        j0 = stop;
+    }
+    prefetch_rows(vrow(start), std::min(end - start, B - (start & (B - 1))) * R);
+    float total[H];
+    for (int h = 0; h < H; ++h) total[h] = softmax_exp(p + h * stride + start, end - start);
+    if constexpr (H == 1)  // one pass over the rows, the whole output row in registers where it fits
+        weighted_sum(p, start, end, shift, vrow, 1.0f / total[0], o, n);
+    else
+        weighted_sums<H>(p, stride, start, end, shift, vrow, total, o, n);
+}
+
+// Attention of H (at most kMaxHeads) consecutive query heads q [H, n] that share one KV head, over
+// its positions [start, end): o [H, n]. p is scratch of H rows of `stride` floats.
+template <class KRow, class VRow>
+inline void attend_heads(const float* q, int64_t H, int64_t n, int64_t start, int64_t end, int shift, float scale,
+                         KRow krow, VRow vrow, float* p, int64_t stride, float* o) {
+    if (n % 16 != 0) {  // no head size of a supported model; plain loops, a head at a time
+        for (int64_t h = 0; h < H; ++h) {
+            float* ph = p + h * stride;
+            for (int64_t j = start; j < end; ++j) ph[j] = dot(q + h * n, krow(j), n) * kv_scale(krow(j), n) * scale;
+            const float total = softmax_exp(ph + start, end - start);
+            weighted_sum(ph, start, end, shift, vrow, 1.0f / total, o + h * n, n);
+        }
+        return;
+    }
+    switch (H) {
+        case 1: return attend_n<1>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
+        case 2: return attend_n<2>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
+        case 3: return attend_n<3>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
+        default: return attend_n<4>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
+    }
+}
+
 struct Linear {
     const uint8_t* packed;  // blockquant.h's records
     int bits;
@@ -311,24 +398,21 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
         }
         const float* QKV = qkv.data();
         float* A = attn.data();
-        WAFER_PARALLEL_FOR(int64_t{0}, M * n_heads, int64_t{1}, [&](int64_t i0, int64_t i1) {
-            std::vector<float> p(max_ctx);
+        // A unit of work is a few query heads of one KV head for one token: they share every key
+        // and value row it reads (and its conversion to float). One head a unit where there are
+        // too few units to keep the threads busy otherwise (a single decode stream).
+        const int64_t per = M * n_kv >= 2 * WAFER_NUM_THREADS() ? std::min<int64_t>(group, kMaxHeads) : 1;
+        const int64_t chunks = (group + per - 1) / per;
+        WAFER_PARALLEL_FOR(int64_t{0}, M * n_kv * chunks, int64_t{1}, [&](int64_t i0, int64_t i1) {
+            std::vector<float> p(per * max_ctx);
             for (int64_t i = i0; i < i1; ++i) {
-                const int64_t m = i / n_heads, hq = i % n_heads, kh = hq / group;
-                const float* q = QKV + m * row + hq * head_dim;
+                const int64_t m = i / (n_kv * chunks), kh = i / chunks % n_kv, h0 = kh * group + i % chunks * per;
+                const int64_t H = std::min(per, (kh + 1) * group - h0);
                 const int64_t end = pos[m] + 1, start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-                // A block at a time: its keys (and values) of one head are contiguous.
-                for (int64_t j0 = start; j0 < end;) {
-                    const T* K = Kc + at(m, kh, j0);
-                    const int64_t n = std::min(end, ((j0 >> shift) + 1) << shift) - j0;
-                    if (j0 + n < end) prefetch_rows(Kc + at(m, kh, j0 + n), std::min(B, end - j0 - n) * R);
-                    for (int64_t j = 0; j < n; ++j, K += R) p[j0 + j] = dot(q, K, head_dim) * kv_scale(K, head_dim) * scale;
-                    j0 += n;
-                }
-                prefetch_rows(Vc + at(m, kh, start), std::min(end - start, B - (start & (B - 1))) * R);
-                const float total = softmax_exp(p.data() + start, end - start);
-                weighted_sum(p.data(), start, end, shift, [&](int64_t j) -> const T* { return Vc + at(m, kh, j); },
-                             1.0f / total, A + m * q_dim + hq * head_dim, head_dim);
+                attend_heads(QKV + m * row + h0 * head_dim, H, head_dim, start, end, shift, scale,
+                             [&](int64_t j) -> const T* { return Kc + at(m, kh, j); },
+                             [&](int64_t j) -> const T* { return Vc + at(m, kh, j); }, p.data(), max_ctx,
+                             A + m * q_dim + h0 * head_dim);
             }
         });
         L.o(attn.data(), M, tmp.data());

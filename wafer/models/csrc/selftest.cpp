@@ -554,7 +554,9 @@ void test_kv_rows(const char* name) {
 // ---- decode_step against a scalar model ---------------------------------------------------------------
 
 struct Model {
-    static constexpr int64_t hidden = 64, n_heads = 4, n_kv = 2, head_dim = 16, inter = 128, vocab = 50, n_layers = 2;
+    // 6 query heads a KV head: decode_step's attention takes them 4 and 2 at a time (one at a time in
+    // steps of too few tokens to share among the threads otherwise)
+    static constexpr int64_t hidden = 64, n_heads = 12, n_kv = 2, head_dim = 16, inter = 128, vocab = 50, n_layers = 2;
     static constexpr int64_t slots = 3, max_len = 16, max_pos = 16, block = 4, blocks = slots * max_len / block;
     static constexpr int64_t q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim, row = q_dim + 2 * kv_dim;
     static constexpr float eps = 1e-5f;

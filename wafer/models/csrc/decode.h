@@ -213,27 +213,33 @@ inline void dots(const float* q, const T* k, int64_t n, float* out) {
 }
 
 // o[h] = sum_j p[h][j] v_j / total[h] for H heads over positions [start, end) (rows as in
-// weighted_sum), 16 elements of the output at a time, so that each value row is loaded and
-// converted once for all H heads.
+// weighted_sum). A block's rows are read from memory once for all H heads, then from cache 16
+// elements of the output at a time (H accumulators of 16 stay in registers).
 template <int H, class Row>
 inline void weighted_sums(const float* p, int64_t stride, int64_t start, int64_t end, int shift, Row row,
                           const float* total, float* o, int64_t n) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(row(start))>>;
     const int64_t R = kv_row<T>(n);
-    for (int64_t e = 0; e < n; e += 16) {
-        simd::F acc[H];
-        for (int h = 0; h < H; ++h) acc[h] = simd::zero();
-        for (int64_t j0 = start; j0 < end;) {
-            const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+    for (int64_t i = 0; i < H * n; ++i) o[i] = 0.0f;
+    for (int64_t j0 = start; j0 < end;) {
+        const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+        if (stop < end) prefetch_rows(row(stop), std::min(int64_t{1} << shift, end - stop) * R);
+        for (int64_t e = 0; e < n; e += 16) {
+            simd::F acc[H];
+            for (int h = 0; h < H; ++h) acc[h] = simd::load(o + h * n + e);
             const T* r = row(j0);
             for (int64_t j = j0; j < stop; ++j, r += R) {
                 const simd::F v = load_kv(r + e);
                 const float sc = kv_scale(r, n);
                 for (int h = 0; h < H; ++h) acc[h] = simd::fma(simd::set1(p[h * stride + j] * sc), v, acc[h]);
             }
-            j0 = stop;
+            for (int h = 0; h < H; ++h) simd::store(o + h * n + e, acc[h]);
         }
-        for (int h = 0; h < H; ++h) simd::store(o + h * n + e, acc[h] * simd::set1(1.0f / total[h]));
+        j0 = stop;
+    }
+    for (int h = 0; h < H; ++h) {
+        const float inv = 1.0f / total[h];
+        for (int64_t e = 0; e < n; ++e) o[h * n + e] *= inv;
     }
 }
 

@@ -4,8 +4,9 @@ llama-cpp-python built for the same instruction sets, in one run.
 Same GGUF, same chat prompt, greedy, EOS suppressed, 256 new tokens, 2 threads; one warm-up run, then
 the median of 5, the repeats taken round-robin over the systems. Decode tokens/s counts the tokens
 after the first, over the time after the first; TTFT is the time to the first token, for the chat
-prompt and for a 1024-token prompt. Then wafer's aggregate rate with 16 sequences decoding together,
-the bytes a decode step reads, and the GB/s that makes against this machine's measured read bandwidth.
+prompt and for a 1024-token prompt. Then wafer's aggregate rate with 16 sequences decoding together
+(128 tokens each, once a round, against that round's single stream), the bytes a decode step reads,
+and the GB/s that makes against this machine's measured read bandwidth.
 
 `--isa avx2`: wafer's AVX2 variant against llama.cpp built for AVX2 only (as on a CPU without
 AVX-512), whatever this CPU has; the default is the best variant against llama.cpp built for every
@@ -209,14 +210,18 @@ def main() -> None:
     decode: dict[str, list[float]] = {name: [] for name in systems}
     short: dict[str, list[float]] = {name: [] for name in systems}
     long: dict[str, list[float]] = {name: [] for name in systems}
+    # The batch runs in every round too, and is compared with the single stream of its own round.
+    batches: list[float] = []
+    ratios: list[float] = []
     for _ in range(args.repeats):
         for name, run in systems.items():
             decode[name].append(run(ids)[1])
             short[name].append(run(ids, 1)[0])
+        batches.append(concurrent(loaded, args.concurrency, ids, 128))
+        ratios.append(batches[-1] / decode[main_name][-1])
     for _ in range(3):
         for name, run in systems.items():
             long[name].append(run(long_ids, 1)[0])
-    batch = concurrent(loaded, args.concurrency, ids, 128)
     bandwidth = read_bandwidth()
     nbytes = step_bytes(loaded)
 
@@ -235,8 +240,9 @@ def main() -> None:
     print(table(["system", "decode tok/s", f"TTFT {len(ids)}-tok ms", f"TTFT {len(long_ids)}-tok ms",
                  f"decode vs {base_name}", f"TTFT {len(long_ids)} vs {base_name}"], rows))
     single = med[main_name][0]
-    print(f"{main_name}: {args.concurrency} sequences together decode {batch:.1f} tokens/s in all, "
-          f"{batch / single:.2f}x its single stream")
+    print(f"{main_name}: {args.concurrency} sequences together decode {statistics.median(batches):.1f} tokens/s in all, "
+          f"{statistics.median(ratios):.2f}x its single stream (the median of {args.repeats} rounds' ratios, each to "
+          f"the single stream of its own round; {min(ratios):.2f}x to {max(ratios):.2f}x)")
     print(f"{main_name}: a decode step reads {nbytes / 1e6:.1f} MB; at {single:.1f} tokens/s that is "
           f"{nbytes * single / 1e9:.1f} GB/s, {nbytes * single / 1e9 / bandwidth:.0%} of this machine's measured read "
           f"bandwidth ({bandwidth:.1f} GB/s, a float32 sum or GEMV over 1 GiB), which allows {bandwidth * 1e9 / nbytes:.0f} "

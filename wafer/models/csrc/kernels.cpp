@@ -73,6 +73,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
                 positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
     x = x.contiguous();
     const int64_t hidden = x.size(1), q_dim = n_heads * head_dim;
+    TORCH_CHECK(n_kv > 0 && n_heads % n_kv == 0, "query heads: a whole number per KV head");
     TORCH_CHECK(n_layers > 0 && layers[10].dim() == 4, "KV pools: [kv_heads, blocks, block, head_dim]");
     const int64_t block = layers[10].size(2);
     TORCH_CHECK(block > 0 && (block & (block - 1)) == 0, "KV blocks: a power of two of positions");

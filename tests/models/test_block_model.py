@@ -100,12 +100,36 @@ def test_a_truncated_cache_is_converted_again(tmp_path, monkeypatch):
 
 
 def test_plan_keeps_the_files_precision():
-    """On q4, 4-bit types get 4-bit records and wider ones 8-bit; the head always 8; on q8 all 8."""
+    """On q4, 4-bit types get 4-bit records and wider ones 8-bit; the head 8; on q8 all 8."""
     f = GGUFFile(default_model_path())
     q4 = block_model.plan(f.config, f, "q4")
-    assert {lp.bits for lp in q4[:-1]} == {4} and q4[-1].bits == 8 and q4[-1].module == "lm_head"
-    assert {lp.bits for lp in block_model.plan(f.config, f, "q8")} == {8}
+    assert {lp.fmt for lp in q4[:-1]} == {4} and q4[-1].fmt == 8 and q4[-1].module == "lm_head"
+    assert {lp.fmt for lp in block_model.plan(f.config, f, "q8")} == {8}
     assert q4[0].parts[0].endswith("q_proj.weight") and len(q4[0].parts) == 3
+
+
+def test_plan_gives_k_quants_records_of_their_own():
+    """Qwen2.5-Coder-0.5B's Q4_K_M file: its down projections are Q4_K in some layers and Q6_K in
+    others, and get K4 and K6 records on q4 (8 bits on q8); layers stacked from other types, and its
+    Q8_0 head, keep 8-bit records."""
+    from gguf import GGMLQuantizationType as T
+
+    from wafer.models import catalog
+    from wafer.models.gguf_blocks import K4, K6
+
+    entry = catalog.find("Qwen2.5-Coder-0.5B-Instruct")
+    path = catalog.installed_path(entry) if entry is not None else None
+    if path is None:
+        pytest.skip("Qwen2.5-Coder-0.5B is not installed (make setup installs it)")
+    f = GGUFFile(path)
+    q4 = block_model.plan(f.config, f, "q4")
+    down = [lp for lp in q4 if lp.module.endswith("down_proj")]
+    for lp in down:
+        qtype = f.raw(lp.parts[0])[1]
+        assert lp.fmt == {T.Q4_K: K4, T.Q6_K: K6}[qtype], (lp.module, qtype)
+    assert {lp.fmt for lp in down} == {K4, K6}
+    assert {lp.fmt for lp in q4 if not lp.module.endswith("down_proj")} == {8}
+    assert {lp.fmt for lp in block_model.plan(f.config, f, "q8")} == {8}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -26,6 +26,7 @@ from wafer.models import catalog
 from wafer.models.fused_decode import FusedDecode
 from wafer.models.gemma3 import Gemma3Model
 from wafer.models.kernels import runnable
+from wafer.models.gguf_blocks import K4, K6
 from wafer.models.loader import LoadedModel, load_model
 from wafer.models.quant import BlockLinear
 
@@ -176,8 +177,8 @@ def test_greedy_equals_transformers_on_five_prompts_one_past_the_window(path, f3
 def q4(path) -> LoadedModel:
     loaded = load_model(str(path), compute="q4")
     assert loaded.compute == "q4", loaded.warning
-    bits = {m.bits for m in loaded.model.modules() if isinstance(m, BlockLinear)}
-    assert bits == {4, 8}  # the file's Q4_K layers in 4-bit blocks; its 5- to 8-bit ones, and the head, in 8
+    formats = {m.fmt for m in loaded.model.modules() if isinstance(m, BlockLinear)}
+    assert formats == {K4, K6, 8}  # the file's Q4_K and Q6_K layers as they are; its Q5_0 and Q8_0 ones, and the head, in 8
     return loaded
 
 

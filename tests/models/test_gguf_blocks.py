@@ -11,7 +11,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from wafer.models.gguf_blocks import GGUFEmbedding, bits_for, record_inputs
+from wafer.models import blockquant as bq
+from wafer.models.gguf_blocks import K4, K6, GGUFEmbedding, bits_for, format_for, pack_records, record_inputs, record_parts
 
 K = 512  # two K-quant blocks, sixteen 32-blocks per row
 ROWS = 48
@@ -88,3 +89,45 @@ def test_embedding_rows_dequantised_on_lookup():
     emb = GGUFEmbedding(raw, T.Q4_K, K)
     ids = torch.tensor([[3, 0, 63], [5, 5, 7]])
     assert torch.equal(emb(ids), reference(raw, T.Q4_K)[ids])
+
+
+def k_values(parts: tuple[torch.Tensor, ...], fmt: int) -> torch.Tensor:
+    """The weights that K4 or K6 inputs stand for, from the formats' definitions."""
+    if fmt == K4:
+        codes, sc, mn, d, dmin = parts
+        per32 = d.float().repeat_interleave(8, 1) * sc.float()
+        return (codes.float().view(ROWS, -1, 32) * per32[..., None]).view(ROWS, K) - \
+            (dmin.float().repeat_interleave(8, 1) * mn.float()).repeat_interleave(32, 1)
+    codes, sc, d = parts
+    return d.float().repeat_interleave(256, 1) * sc.float().repeat_interleave(16, 1) * (codes.float() - 32)
+
+
+@pytest.mark.parametrize("qtype, fmt", [(T.Q4_K, K4), (T.Q6_K, K6)])
+def test_k_quants_are_held_exactly_in_records_of_their_own(qtype, fmt):
+    raw = random_blocks(qtype)
+    parts = record_parts(raw, qtype, K, fmt)
+    assert int(parts[0].max()) == (15 if fmt == K4 else 63)
+    assert torch.equal(k_values(parts, fmt), reference(raw, qtype))
+    packed = pack_records(parts, fmt)
+    per_weight = packed.numel() * 8 / (ROWS * K)
+    assert packed.shape[:2] == (ROWS // 16, K // 256)
+    assert per_weight == (4.625 if fmt == K4 else 6.5625)  # the file's own 4.5 and 6.5625, and 2 factors a group
+    assert format_for([qtype], "q4") == fmt and format_for([qtype], "q4", head=True) == fmt
+    assert format_for([qtype], "q8") == 8 and format_for([T.Q4_K, T.Q6_K], "q4") == 8
+
+
+@pytest.mark.parametrize("qtype, fmt", [(T.Q4_K, K4), (T.Q6_K, K6)])
+def test_k_records_through_the_kernel_equal_the_files_weights(qtype, fmt):
+    """block_linear on the records against the activations' int8 blocks times gguf-py's weights."""
+    from wafer.models.kernels import kernels
+
+    kern = kernels()
+    if kern is None:
+        pytest.skip("wafer's kernels are not built here")
+    raw = random_blocks(qtype, rows=40, seed=3)  # 40 rows: the last group of 16 padded
+    packed = pack_records(record_parts(raw, qtype, K, fmt), fmt)
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 11)[:, None]
+    got = kern.block_linear(x, packed, 40).double()
+    want = bq.quantize_activations(x).double() @ reference(raw, qtype).double().T
+    err = (got - want).abs().amax(1) / want.abs().amax(1)
+    assert (err < 1e-5).all(), err

@@ -64,7 +64,7 @@ def test_path_within_tolerance(smollm_f32, quant_model):
     kind = {"int8": Int8Linear, "q8": BlockLinear, "q4": BlockLinear}[quant_model.compute]
     assert any(isinstance(m, kind) for m in quant_model.model.modules())
     if quant_model.compute != "int8":
-        bits = {m.bits for m in quant_model.model.modules() if isinstance(m, BlockLinear)}
+        bits = {m.fmt for m in quant_model.model.modules() if isinstance(m, BlockLinear)}
         assert bits == ({8} if quant_model.compute == "q8" else {4, 8})
     tol = TOLERANCE_NATS
     kls = []

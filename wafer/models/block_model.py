@@ -28,7 +28,15 @@ import torch
 
 from wafer.models import blockquant as bq
 from wafer.models.config import ModelConfig
-from wafer.models.gguf_blocks import GGUFEmbedding, bits_for, record_bytes, record_inputs
+from wafer.models.gguf_blocks import (
+    GGUFEmbedding,
+    format_for,
+    pack_records,
+    record_bytes,
+    record_inputs_per,
+    record_parts,
+    record_size,
+)
 from wafer.models.gguf_loader import GGUFFile
 from wafer.models.families import new_model
 from wafer.models.gemma3 import Gemma3Model
@@ -37,7 +45,7 @@ from wafer.models.quant import BlockLinear
 
 log = logging.getLogger(__name__)
 
-RECORD_FORMAT = 1  # bump when pack_blocks's layout or gguf_blocks's conversions change
+RECORD_FORMAT = 2  # bump when pack_blocks's layout or gguf_blocks's conversions change
 CACHE_MIN_BYTES = 256 << 20  # smaller models convert in about a second: not worth the disk
 ROWS = 4096  # rows converted at once (a multiple of 16, the records' group)
 
@@ -48,11 +56,11 @@ class LinearPlan:
     parts: list[str]  # the file's tensors (Hugging Face names) stacked into it, in order
     rows: list[int]  # each part's output rows
     in_features: int
-    bits: int
+    fmt: int  # gguf_blocks: 4 or 8 bits, or the K4, K6 records
 
     @property
     def nbytes(self) -> int:
-        return -(-record_bytes(sum(self.rows), self.in_features, self.bits) // 64) * 64
+        return -(-record_bytes(sum(self.rows), self.in_features, self.fmt) // 64) * 64
 
 
 def plan(cfg: ModelConfig, file: GGUFFile, path: str) -> list[LinearPlan]:
@@ -65,10 +73,10 @@ def plan(cfg: ModelConfig, file: GGUFFile, path: str) -> list[LinearPlan]:
         raw, qtype, k = found
         return raw.shape[0], k, qtype
 
-    def linear(module: str, parts: list[str], bits: int | None = None) -> LinearPlan:
+    def linear(module: str, parts: list[str], head: bool = False) -> LinearPlan:
         infos = [info(n) for n in parts]
-        width = bits or max(bits_for(q, path) for _, _, q in infos)  # type: ignore[arg-type]
-        return LinearPlan(module, parts, [r for r, _, _ in infos], infos[0][1], width)
+        fmt = format_for([q for _, _, q in infos], path, head)  # type: ignore[misc]
+        return LinearPlan(module, parts, [r for r, _, _ in infos], infos[0][1], fmt)
 
     out = []
     for i in range(cfg.num_layers):
@@ -78,23 +86,23 @@ def plan(cfg: ModelConfig, file: GGUFFile, path: str) -> list[LinearPlan]:
                 linear(m + "mlp.gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 linear(m + "mlp.down_proj", [p + "mlp.down_proj.weight"])]
     tied = cfg.tie_word_embeddings or file.raw("lm_head.weight") is None
-    out.append(linear("lm_head", ["model.embed_tokens.weight" if tied else "lm_head.weight"], 8))  # quant.py: 8 bits
+    out.append(linear("lm_head", ["model.embed_tokens.weight" if tied else "lm_head.weight"], head=True))
     return out
 
 
 def _convert(file: GGUFFile, lp: LinearPlan, dest: torch.Tensor) -> None:
     """Fill `dest` (uint8, lp.nbytes) with the records of lp, ROWS rows at a time."""
-    per_group = (lp.in_features // bq.QK) * (16 * bq.QK * lp.bits // 8 + 64)
+    per_group = (lp.in_features // record_inputs_per(lp.fmt)) * record_size(lp.fmt)
     if any(r % 16 for r in lp.rows[:-1]):  # a part that ends mid-group: stack whole, then pack
-        pieces = [record_inputs(*file.raw(n)[:2], lp.in_features, lp.bits) for n in lp.parts]  # type: ignore[misc]
-        packed = bq.pack_blocks(*(torch.cat(t) for t in zip(*pieces)), lp.bits)
+        pieces = [record_parts(*file.raw(n), lp.fmt) for n in lp.parts]  # type: ignore[misc]
+        packed = pack_records(tuple(torch.cat(t) for t in zip(*pieces)), lp.fmt)
         dest[: packed.numel()].copy_(packed.view(-1))
         return
     at = 0
     for name in lp.parts:
         raw, qtype, k = file.raw(name)  # type: ignore[misc]
         for start in range(0, raw.shape[0], ROWS):
-            packed = bq.pack_blocks(*record_inputs(raw[start : start + ROWS], qtype, k, lp.bits), lp.bits).view(-1)
+            packed = pack_records(record_parts(raw[start : start + ROWS], qtype, k, lp.fmt), lp.fmt).view(-1)
             dest[at : at + packed.numel()].copy_(packed)
             at += packed.numel()
         assert at % per_group == 0
@@ -183,10 +191,10 @@ def build_block_model(cfg: ModelConfig, file: GGUFFile, path: str,
             n_params += bias.numel()
         owner, _, attr = lp.module.rpartition(".")
         n = sum(lp.rows)
-        rec = 16 * bq.QK * lp.bits // 8 + 64
-        records = dest[: record_bytes(n, lp.in_features, lp.bits)].view(-(-n // 16), lp.in_features // bq.QK, rec)
+        records = dest[: record_bytes(n, lp.in_features, lp.fmt)].view(
+            -(-n // 16), lp.in_features // record_inputs_per(lp.fmt), record_size(lp.fmt))
         setattr(model.get_submodule(owner) if owner else model, attr,
-                BlockLinear.from_packed(records, n, lp.in_features, lp.bits, bias))
+                BlockLinear.from_packed(records, n, lp.in_features, lp.fmt, bias))
         if lp.module != "lm_head" or not cfg.tie_word_embeddings:
             n_params += n * lp.in_features
         if progress and lp.module.endswith("down_proj"):

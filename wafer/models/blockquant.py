@@ -1,7 +1,8 @@
 """Block-quantised weights in the layout of wafer's own CPU kernels (csrc/blockquant.h).
 
 llama.cpp's block formats, 32 input elements per block: Q4_1 (4-bit codes with a scale and a
-minimum per block) and Q8_0 (8-bit codes with a scale). Quantising a GGUF's Q4_1 or Q8_0 tensor,
+minimum per block) and Q8_0 (8-bit codes with a scale); and its K-quants Q4_K and Q6_K as they are
+(K4 and K6 records, 256 inputs each), which only a GGUF file's blocks fill (gguf_blocks.py). Quantising a GGUF's Q4_1 or Q8_0 tensor,
 once dequantised, gives back exactly the file's codes (every Q4_1 block holds a 0 and a 15 code,
 every Q8_0 block a +-127), so these paths run the file's own weights. The kernels (kernels.py)
 quantise the activations per block to int8 (as llama.cpp does) and use integer dot products.
@@ -52,17 +53,57 @@ def pack_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
     m[16]. csrc/blockquant.h reads it."""
     n, k = codes.shape
     nb, groups = k // QK, -(-n // 16)
-    pad = groups * 16 - n
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        d, m = (torch.cat([t, t.new_zeros(pad, nb)]) for t in (d, m))
-    if bits == 4:  # k = 8 i + 4 h + t; byte (i, c, t) = code (h=0) | code (h=1) << 4
-        c = codes.reshape(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
-        body = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(groups, nb, 256)
+    codes, d, m = _pad_rows(groups * 16, codes, d, m)
+    if bits == 4:
+        body = _body4(codes, groups, nb)
     else:  # k = 4 j + t; byte (j, c, t)
         body = codes.reshape(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
-    scales = [t.reshape(groups, 16, nb).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (d, m)]
-    return torch.cat([body, *scales], dim=-1).contiguous()
+    return torch.cat([body, *(_per_channel(t, groups) for t in (d, m))], dim=-1).contiguous()
+
+
+def pack_k4(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q4_K as it is: codes [N, K] (0..15), 6-bit scales and minimums [N, K/32] uint8,
+    super-block factors d and dmin [N, K/256] float16 (w = d sc q - dmin mn) -> K4 records uint8
+    [ceil(N/16), K/256, 2368]: the eight blocks' 4-bit bodies, sc[8][16], mn[8][16], d[16], dmin[16]."""
+    n, k = codes.shape
+    groups, nsb = -(-n // 16), k // 256
+    codes, sc, mn, d, dmin = _pad_rows(groups * 16, codes, sc, mn, d, dmin)
+    body = _body4(codes, groups, k // QK).reshape(groups, nsb, 8 * 256)
+    return torch.cat([body, _per_channel(sc, groups, 8), _per_channel(mn, groups, 8),
+                      _per_channel(d, groups), _per_channel(dmin, groups)], dim=-1).contiguous()
+
+
+def pack_k6(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q6_K as it is: codes [N, K] (0..63), scales [N, K/16] int8, super-block factors
+    [N, K/256] float16 (w = d sc (q - 32)) -> K6 records uint8 [ceil(N/16), K/256, 3360]: per block
+    of 32 the low nibbles as a 4-bit body and 128 bytes of top bits, byte (h, c, t) holding those of
+    inputs 16 h + 4 s + t at bits 2 s; then sc[8][2][16], then d[16]."""
+    n, k = codes.shape
+    groups, nsb, nb = -(-n // 16), k // 256, k // QK
+    codes, sc, d = _pad_rows(groups * 16, codes, sc, d)
+    low = _body4(codes & 0x0F, groups, nb)
+    top = (codes >> 4).reshape(groups, 16, nb, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # (g, b, h, c, t, s)
+    high = (top << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(groups, nb, 128)
+    body = torch.cat([low, high], dim=-1).reshape(groups, nsb, 8 * 384)
+    return torch.cat([body, _per_channel(sc.view(torch.uint8), groups, 16), _per_channel(d, groups)], dim=-1).contiguous()
+
+
+def _pad_rows(rows: int, *ts: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) if t.shape[0] < rows else t for t in ts]
+
+
+def _body4(codes: torch.Tensor, groups: int, nb: int) -> torch.Tensor:
+    """4-bit codes [groups * 16, nb * 32] -> bodies [groups, nb, 256]: input 8 i + 4 h + t of channel
+    c in byte (i, c, t), low nibble for h = 0, high for h = 1."""
+    c = codes.reshape(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(groups, nb, 256)
+
+
+def _per_channel(t: torch.Tensor, groups: int, per: int = 1) -> torch.Tensor:
+    """[groups * 16, n * per] -> bytes [groups, n, per * 16 * itemsize]: each of the n records' `per`
+    values of the group's 16 channels, channel fastest."""
+    n = t.shape[1] // per
+    return t.reshape(groups, 16, n, per).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(groups, n, -1)
 
 
 def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,12 @@ minimum m (value = d * code + m). Most of llama.cpp's block types are that alrea
     Q5_K  as Q4_K with 5-bit q          -> 8-bit codes                      scales rounded to float16
     Q8_0  d q                           -> 8-bit codes q + 128, m = -128 d  exact
 
-Any of them also goes into 8-bit records as it is (4-bit codes are 8-bit codes too). The others
-(Q6_K, whose scales change every 16 inputs; Q2_K, Q3_K; float tensors) are dequantised a few rows
-at a time and quantised to the record's width, so no tensor is ever held whole in float32.
+Any of them also goes into 8-bit records as it is (4-bit codes are 8-bit codes too). Two
+K-quants have records of their own that hold them exactly and in their own size (K4: Q4_K at
+4.625 bits a weight, against 5 in 4-bit records; K6: Q6_K at 6.5625, against 9 in 8-bit ones), which
+the q4 path uses where every tensor stacked into a layer is of that type. The others (Q6_K beside
+other types; Q2_K, Q3_K; float tensors) are dequantised a few rows at a time and quantised to the
+record's width, so no tensor is ever held whole in float32.
 """
 
 from __future__ import annotations
@@ -29,6 +32,20 @@ from wafer.models import blockquant as bq
 FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)  # held exactly (to float16 scales) by 4-bit records
 AS_CODES = (*FOUR_BIT, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0)  # held so by 8-bit records
 ROWS_PER_CHUNK = 4096  # rows dequantised at once for the types that need it
+
+
+K4, K6 = 44, 66  # blockquant.h's formats of the K-quant records (4 and 8 name the others by their bits)
+
+
+def format_for(qtypes: list[T], path: str, head: bool = False) -> int:
+    """The records of a layer stacked from tensors of these types on compute path `path`: on q4, K4
+    or K6 where every part is Q4_K or Q6_K (the file's own weights, in their own size); else
+    bits_for's width, and 8 bits for an output head."""
+    if path == "q4" and all(q == T.Q4_K for q in qtypes):
+        return K4
+    if path == "q4" and all(q == T.Q6_K for q in qtypes):
+        return K6
+    return 8 if head else max(bits_for(q, path) for q in qtypes)
 
 
 def bits_for(qtype: T, path: str) -> int:
@@ -118,9 +135,60 @@ def record_inputs(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch
     return _requantize(raw, qtype, k, bits)
 
 
-def record_bytes(n: int, k: int, bits: int) -> int:
-    """Bytes of bq.pack_blocks's output for an [N, K] matrix."""
-    return -(-n // 16) * (k // bq.QK) * ((16 * bq.QK * bits) // 8 + 64)
+def _k4_inputs(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K bytes [N, row bytes] -> bq.pack_k4's codes, sc, mn, d, dmin."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, GGML_QUANT_SIZES[T.Q4_K][1])
+    sc, mn = _k_scales(b[..., 4:16])
+    qs = b[..., 16:144].reshape(n, -1, 4, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-2)  # sub-block 2c: low nibbles of chunk c, 2c+1: high
+    return codes.reshape(n, -1), sc.reshape(n, -1), mn.reshape(n, -1), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+
+
+def _k6_inputs(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q6_K bytes [N, row bytes] -> bq.pack_k6's codes, sc, d. A block is ql[128], qh[64], sc[16]
+    (int8, one per 16 inputs), d: input 128 h + 32 k + l has the low nibble of ql[64 h + 32 (k % 2)
+    + l] (the high nibble for k >= 2) and bits 2k, 2k + 1 of qh[32 h + l] above it."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, GGML_QUANT_SIZES[T.Q6_K][1])
+    ql = b[..., 0:128].reshape(n, -1, 2, 2, 32)
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2)  # k = 0, 1 from the low nibbles, 2, 3 from the high
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    codes = (low | (high << 4)).reshape(n, -1)
+    return codes, b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1), _f16(b[..., 208:210])
+
+
+def record_parts(raw: torch.Tensor, qtype: T, k: int, fmt: int) -> tuple[torch.Tensor, ...]:
+    """What pack_records packs, for rows that may be stacked with other tensors' first."""
+    if fmt == K4:
+        return _k4_inputs(raw)
+    if fmt == K6:
+        return _k6_inputs(raw)
+    return record_inputs(raw, qtype, k, fmt)
+
+
+def pack_records(parts: tuple[torch.Tensor, ...], fmt: int) -> torch.Tensor:
+    if fmt == K4:
+        return bq.pack_k4(*parts)
+    if fmt == K6:
+        return bq.pack_k6(*parts)
+    return bq.pack_blocks(*parts, fmt)
+
+
+def record_inputs_per(fmt: int) -> int:
+    """Inputs of one record of the format: 256 for the K-quant records, else 32."""
+    return 256 if fmt in (K4, K6) else bq.QK
+
+
+def record_size(fmt: int) -> int:
+    """Bytes of one record (csrc/blockquant.h's record_bytes)."""
+    return {K4: 8 * 256 + 2 * 128 + 64, K6: 8 * 384 + 256 + 32}.get(fmt, (16 * bq.QK * fmt) // 8 + 64)
+
+
+def record_bytes(n: int, k: int, fmt: int) -> int:
+    """Bytes of the records of an [N, K] matrix."""
+    return -(-n // 16) * (k // record_inputs_per(fmt)) * record_size(fmt)
 
 
 class GGUFEmbedding(nn.Module):

@@ -52,7 +52,8 @@ class Int8Linear(nn.Module):
 
 
 class BlockLinear(nn.Module):
-    """A linear layer whose decode batches run wafer's block-quantised kernels (4 or 8 bits)."""
+    """A linear layer whose decode batches run wafer's block-quantised kernels: `fmt` 4 or 8 (bits),
+    or, from a GGUF file's blocks only, K4 or K6 (gguf_blocks.py)."""
 
     def __init__(self, linear: nn.Linear, bits: int) -> None:
         super().__init__()
@@ -61,23 +62,23 @@ class BlockLinear(nn.Module):
 
         self.kernels = kernels()
         self.bias = linear.bias
-        self.bits = bits
+        self.fmt = bits
         self.out_features = linear.out_features
         self.in_features = linear.in_features
         w = linear.weight.detach()
         self.register_buffer("packed", bq.pack_q4(*bq.quantize_q4(w)) if bits == 4 else bq.pack_q8(*bq.quantize_q8(w)))
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bits: int,
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, fmt: int,
                     bias: torch.Tensor | None) -> BlockLinear:
-        """From records already in pack_blocks's layout (weights.build_block_model)."""
+        """From records already packed (block_model.build_block_model)."""
         from wafer.models.kernels import kernels
 
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.kernels = kernels()
         self.bias = bias
-        self.bits = bits
+        self.fmt = fmt
         self.out_features = out_features
         self.in_features = in_features
         self.register_buffer("packed", packed)

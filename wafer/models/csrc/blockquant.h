@@ -14,6 +14,17 @@
 // result lane is an output channel, so no horizontal sums are needed, a record is unpacked once for
 // up to eight rows of x, and each thread reads one contiguous run of records.
 //
+// Two more formats hold llama.cpp's K-quants exactly, in their own size, with a record per group and
+// super-block of 256 inputs (8 blocks of 32, the bodies first, then the block scales, then the
+// super-block's float16 factors):
+//   K4 (Q4_K, 4.625 bits a weight): bodies as the 4-bit records', then sc[8][16] and mn[8][16] (6-bit,
+//      unsigned, a byte each), then D[16] and Dmin[16]: block b of channel c is
+//      w = D sc[b][c] q - Dmin mn[b][c].
+//   K6 (Q6_K, 6.5625 bits a weight): bodies of 384 bytes: the codes' low nibbles laid out as a 4-bit
+//      body, then 128 bytes of their top two bits, byte (h, c, t) holding those of inputs
+//      16 h + 4 s + t at bits 2 s (s = 0..3); then sc[8][2][16] (int8, a scale per 16 inputs), then
+//      D[16]: w = D sc (q - 32) with q in 0..63.
+//
 // Parallel loops go through WAFER_PARALLEL_FOR (PyTorch's at::parallel_for in the extension, so that
 // they run on PyTorch's own OpenMP workers); without it they run serially.
 #pragma once
@@ -33,20 +44,33 @@
 namespace wafer {
 
 constexpr int QK = 32;
+constexpr int QK_K = 256;  // inputs of a K4 or K6 record
 constexpr int TILE = 8;  // rows of x that share one unpacking of a record
 
-inline int64_t record_bytes(int bits) { return (bits == 4 ? 256 : 512) + 64; }
+// A weight format is named by its record's size, which is how kernels.cpp tells them apart.
+enum Format : int { Q4 = 4, Q8 = 8, K4 = 44, K6 = 66 };
+
+inline int64_t record_bytes(int fmt) {
+    switch (fmt) {
+        case Q4: return 256 + 64;
+        case Q8: return 512 + 64;
+        case K4: return 8 * 256 + 2 * 128 + 64;
+        default: return 8 * 384 + 256 + 32;
+    }
+}
+inline int64_t record_inputs(int fmt) { return fmt == K4 || fmt == K6 ? QK_K : QK; }
 
 struct QuantizedRows {  // x quantised per block of 32, as the kernels read it
     const int8_t* q;
     const float* d;    // [rows, nb] scales
     const float* s;    // [rows, nb] scale * sum of the block's codes
     const int32_t* n;  // [rows, nb] sum of the block's codes
+    const float* h;    // [rows, nb, 2] scale * sum of each half's codes (K6's scales change at 16)
     int64_t K, nb;
 };
 
 // x [M, K] -> int8 codes (round to nearest even of x / (max|x| / 127)) with the scales and sums above.
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* nx) {
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* nx, float* hx) {
     const int64_t nb = K / QK;
     for (int64_t r = 0; r < M; ++r) {
         for (int64_t b = 0; b < nb; ++b) {
@@ -57,10 +81,12 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, floa
             const simd::I qa = simd::to_int(a * simd::set1(id)), qc = simd::to_int(c * simd::set1(id));
             simd::store_i8(qx + r * K + b * QK, qa);
             simd::store_i8(qx + r * K + b * QK + 16, qc);
-            const int32_t n = simd::isum(qa + qc);
+            const int32_t na = simd::isum(qa), nc = simd::isum(qc);
             dx[r * nb + b] = d;
-            sx[r * nb + b] = d * static_cast<float>(n);
-            nx[r * nb + b] = n;
+            sx[r * nb + b] = d * static_cast<float>(na + nc);
+            nx[r * nb + b] = na + nc;
+            hx[2 * (r * nb + b)] = d * static_cast<float>(na);
+            hx[2 * (r * nb + b) + 1] = d * static_cast<float>(nc);
         }
     }
 }
@@ -104,6 +130,86 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
     }
 }
 
+// The same for K4 and K6 records (SIX), nsb super-blocks a row.
+template <bool SIX, int R>
+void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
+    const int64_t rec = record_bytes(SIX ? K6 : K4), body = SIX ? 384 : 256, ahead = nsb * rec;
+    for (int64_t g = g0; g < g1; ++g) {
+        simd::F acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = simd::zero();
+        const uint8_t* ps = P + g * nsb * rec;
+#pragma GCC unroll 1
+        for (int64_t s = 0; s < nsb; ++s, ps += rec) {
+            const uint8_t* tail = ps + 8 * body;
+            const simd::F D = simd::load_half(reinterpret_cast<const uint16_t*>(tail + 256));
+#pragma GCC unroll 1
+            for (int b = 0; b < 8; ++b) {
+                // An eighth of the next group's record at this super-block, fetched while this one computes.
+                for (int64_t line = b * rec / 8; line < (b + 1) * rec / 8; line += 64) __builtin_prefetch(ps + ahead + line, 0, 3);
+                const uint8_t* p = ps + b * body;
+                simd::W w[8];
+                for (int i = 0; i < 4; ++i) {
+                    const simd::W v = simd::wload(p + 64 * i);
+                    w[2 * i] = simd::low_nibbles(v);
+                    w[2 * i + 1] = simd::high_nibbles(v);
+                }
+                const int64_t blk = s * 8 + b;
+                if constexpr (SIX) {
+                    for (int h = 0; h < 2; ++h) {
+                        const simd::W top = simd::wload(p + 256 + 64 * h);
+                        w[4 * h] = simd::high2<0>(w[4 * h], top);
+                        w[4 * h + 1] = simd::high2<2>(w[4 * h + 1], top);
+                        w[4 * h + 2] = simd::high2<4>(w[4 * h + 2], top);
+                        w[4 * h + 3] = simd::high2<6>(w[4 * h + 3], top);
+                    }
+                    const int8_t* sc = reinterpret_cast<const int8_t*>(tail + 32 * b);
+                    const simd::I s0 = simd::scales16(sc), s1 = simd::scales16(sc + 16);
+                    // The codes' offset of 32, per half: -32 D sc times the half's sum of x.
+                    const simd::F o0 = D * simd::load_i8(sc) * simd::set1(-32.0f);
+                    const simd::F o1 = D * simd::load_i8(sc + 16) * simd::set1(-32.0f);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; ++r) {
+                        const int64_t at = r * x.nb + blk;
+                        const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + r * x.K + blk * QK);
+                        const simd::F dot = simd::to_float(simd::dot_block6(w, xi, s0, s1));
+                        acc[r] = simd::fma(dot, D * simd::set1(x.d[at]), acc[r]);
+                        acc[r] = simd::fma(o0, simd::set1(x.h[2 * at]), acc[r]);
+                        acc[r] = simd::fma(o1, simd::set1(x.h[2 * at + 1]), acc[r]);
+                    }
+                } else {
+                    const simd::F d = D * simd::load_i8(reinterpret_cast<const int8_t*>(tail + 16 * b));
+                    const simd::F m = simd::load_half(reinterpret_cast<const uint16_t*>(tail + 288)) *
+                                      simd::load_i8(reinterpret_cast<const int8_t*>(tail + 128 + 16 * b));
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; ++r) {
+                        const int64_t at = r * x.nb + blk;
+                        const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + r * x.K + blk * QK);
+                        const simd::F dot = simd::to_float(simd::dot_block<true>(w, xi, x.n[at]));
+                        acc[r] = simd::fma(dot, d * simd::set1(x.d[at]), acc[r]);
+                        acc[r] = simd::fnma(m, simd::set1(x.s[at]), acc[r]);
+                    }
+                }
+            }
+        }
+        const int64_t n0 = g * 16;
+        for (int r = 0; r < R; ++r) simd::store_n(Y + r * N + n0, acc[r], N - n0);
+    }
+}
+
+template <bool SIX>
+void tile_k_rows(int rows, const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
+    switch (rows) {
+        case 1: return tile_k<SIX, 1>(P, nsb, x, Y, N, g0, g1);
+        case 2: return tile_k<SIX, 2>(P, nsb, x, Y, N, g0, g1);
+        case 3: return tile_k<SIX, 3>(P, nsb, x, Y, N, g0, g1);
+        case 4: return tile_k<SIX, 4>(P, nsb, x, Y, N, g0, g1);
+        case 5: return tile_k<SIX, 5>(P, nsb, x, Y, N, g0, g1);
+        case 6: return tile_k<SIX, 6>(P, nsb, x, Y, N, g0, g1);
+        case 7: return tile_k<SIX, 7>(P, nsb, x, Y, N, g0, g1);
+        default: return tile_k<SIX, 8>(P, nsb, x, Y, N, g0, g1);
+    }
+}
+
 template <int BITS>
 void tile_rows(int rows, const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
     switch (rows) {
@@ -118,29 +224,33 @@ void tile_rows(int rows, const uint8_t* P, int64_t nb, const QuantizedRows& x, f
     }
 }
 
-// Y [M, N] = x [M, K] @ W.T for W packed as [ceil(N/16), K/32, record_bytes(bits)].
-inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P, int bits, int64_t N, float* Y) {
-    const int64_t nb = K / QK, G = (N + 15) / 16;
+// Y [M, N] = x [M, K] @ W.T for W packed as [ceil(N/16), K / record_inputs(fmt), record_bytes(fmt)].
+inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P, int fmt, int64_t N, float* Y) {
+    const int64_t nb = K / QK, G = (N + 15) / 16, nrec = K / record_inputs(fmt);
     // Scratch for x's codes, reused across calls (the engine steps from one thread).
     thread_local std::vector<int8_t> qbuf;
-    thread_local std::vector<float> dbuf, sbuf;
+    thread_local std::vector<float> dbuf, sbuf, hbuf;
     thread_local std::vector<int32_t> nbuf;
     if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
-    if (static_cast<int64_t>(dbuf.size()) < M * nb) dbuf.resize(M * nb), sbuf.resize(M * nb), nbuf.resize(M * nb);
-    quantize_rows(x, M, K, qbuf.data(), dbuf.data(), sbuf.data(), nbuf.data());
+    if (static_cast<int64_t>(dbuf.size()) < M * nb) dbuf.resize(M * nb), sbuf.resize(M * nb), nbuf.resize(M * nb), hbuf.resize(2 * M * nb);
+    quantize_rows(x, M, K, qbuf.data(), dbuf.data(), sbuf.data(), nbuf.data(), hbuf.data());
     // Taken here: inside the loop the names would be other threads' own (empty) buffers.
     const int8_t* Q = qbuf.data();
-    const float *D = dbuf.data(), *S = sbuf.data();
+    const float *D = dbuf.data(), *S = sbuf.data(), *H = hbuf.data();
     const int32_t* Nx = nbuf.data();
     WAFER_PARALLEL_FOR(int64_t{0}, G, int64_t{4}, [&](int64_t g0, int64_t g1) {
         // Every tile of rows over this thread's groups, group by group, so that a group's records
         // come from memory once and from cache for the other tiles.
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t r0 = 0; r0 < M; r0 += TILE) {
-                const QuantizedRows xr{Q + r0 * K, D + r0 * nb, S + r0 * nb, Nx + r0 * nb, K, nb};
+                const QuantizedRows xr{Q + r0 * K, D + r0 * nb, S + r0 * nb, Nx + r0 * nb, H + 2 * r0 * nb, K, nb};
                 const int rows = static_cast<int>(std::min<int64_t>(TILE, M - r0));
-                if (bits == 4) tile_rows<4>(rows, P, nb, xr, Y + r0 * N, N, g, g + 1);
-                else tile_rows<8>(rows, P, nb, xr, Y + r0 * N, N, g, g + 1);
+                switch (fmt) {
+                    case Q4: tile_rows<4>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
+                    case Q8: tile_rows<8>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
+                    case K4: tile_k_rows<false>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
+                    default: tile_k_rows<true>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
+                }
             }
     });
 }

@@ -293,12 +293,12 @@ inline void attend_heads(const float* q, int64_t H, int64_t n, int64_t start, in
 
 struct Linear {
     const uint8_t* packed;  // blockquant.h's records
-    int bits;
+    int format;
     const float* bias;  // nullptr: none
     int64_t in, out;
     // y [M, out] = x [M, in] @ W.T (+ bias)
     void operator()(const float* x, int64_t M, float* y) const {
-        block_linear(x, M, in, packed, bits, out, y);
+        block_linear(x, M, in, packed, format, out, y);
         if (bias)
             for (int64_t r = 0; r < M; ++r)
                 for (int64_t j = 0; j < out; ++j) y[r * out + j] += bias[j];

@@ -11,27 +11,32 @@
 
 namespace {
 
-int bits_of(const torch::Tensor& packed) {
+// The record's size names the format (blockquant.h).
+int format_of(const torch::Tensor& packed) {
     const int64_t rec = packed.size(2);
-    TORCH_CHECK(rec == wafer::record_bytes(4) || rec == wafer::record_bytes(8), "record of 320 (4-bit) or 576 (8-bit) bytes");
-    return rec == wafer::record_bytes(4) ? 4 : 8;
+    for (int fmt : {wafer::Q4, wafer::Q8, wafer::K4, wafer::K6})
+        if (rec == wafer::record_bytes(fmt)) return fmt;
+    TORCH_CHECK(false, "a record of 320 (4-bit), 576 (8-bit), 2368 (K4) or 3360 (K6) bytes, not ", rec);
+    return 0;
 }
 
 void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
-    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
-                packed.size(0) == (n + 15) / 16 && packed.size(1) == k / wafer::QK,
-                "packed: contiguous uint8 [ceil(n/16), K/32, record]");
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3,
+                "packed: contiguous uint8 [ceil(n/16), K / inputs of a record, record]");
+    const int64_t per = wafer::record_inputs(format_of(packed));
+    TORCH_CHECK(k % per == 0 && packed.size(0) == (n + 15) / 16 && packed.size(1) == k / per,
+                "packed: [ceil(n/16), K / inputs of a record, record] for this K and n");
 }
 
 }  // namespace
 
-// y [M, n] = x [M, K] @ W.T, W packed by blockquant.pack_blocks: uint8 [ceil(n/16), K/32, record].
+// y [M, n] = x [M, K] @ W.T, W packed by blockquant.py: uint8 [ceil(n/16), K / inputs of a record, record].
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [M, K] float32");
     TORCH_CHECK(x.size(1) % wafer::QK == 0, "K must be a multiple of 32");
     check_packed(packed, x.size(1), n);
     auto y = torch::empty({x.size(0), n}, torch::kFloat32);
-    wafer::block_linear(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), bits_of(packed), n,
+    wafer::block_linear(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), format_of(packed), n,
                         y.data_ptr<float>());
     return y;
 }
@@ -131,7 +136,7 @@ torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tenso
         const torch::Tensor& packed = layers[i];
         check_packed(packed, in, out);
         const torch::Tensor& bias = layers[i + 1];
-        return wafer::Linear{packed.data_ptr<uint8_t>(), bits_of(packed), bias.numel() ? bias.data_ptr<float>() : nullptr,
+        return wafer::Linear{packed.data_ptr<uint8_t>(), format_of(packed), bias.numel() ? bias.data_ptr<float>() : nullptr,
                              in, out};
     };
     auto weight = [&](const torch::Tensor& w, int64_t n) {
@@ -203,7 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
     mod.attr("variant") = simd::kVariant;
     mod.def("decode_step", &decode_step, "one step of every layer for a few tokens (decode.h)",
             py::call_guard<py::gil_scoped_release>());
-    mod.def("block_linear", &block_linear, "x @ W.T, W in 4- or 8-bit blocks of 32 (pack_blocks)",
+    mod.def("block_linear", &block_linear, "x @ W.T, W in wafer's block records (blockquant.py)",
             py::call_guard<py::gil_scoped_release>());
     mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1)",
             py::call_guard<py::gil_scoped_release>());

@@ -1,5 +1,5 @@
 // A standalone self-test of the kernels for the variant it is compiled for (no torch, no Python):
-// block_linear (4- and 8-bit records), argmax_rows, simd::exp, softmax_exp, rms_norm and a small
+// block_linear (4- and 8-bit records, K4 and K6), argmax_rows, simd::exp, softmax_exp, rms_norm and a small
 // decode_step, each against a plain scalar reference in this file, on deterministic pseudo-random
 // data. It is how the variants this machine cannot load into PyTorch are verified (the NEON ones
 // under qemu-aarch64: tests/models/test_kernels_selftest.py builds and runs it per variant):
@@ -307,6 +307,140 @@ void test_block_linear() {
         const double err = row_error(y.data(), linear_ref(x.data(), M, w).data(), M, N);
         check(err <= 1e-5, "block_linear %d-bit, subnormal float16 scales, M=%lld N=%lld K=%lld: max error %.2e (tol 1e-5)", bits,
               static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), err);
+    }
+}
+
+// ---- K4 and K6 records (llama.cpp's Q4_K and Q6_K, exactly) ------------------------------------------
+
+struct KWeights {
+    bool six;
+    int64_t N, K;
+    std::vector<uint8_t> codes;  // [N, K], 0..15 (K4) or 0..63 (K6)
+    std::vector<int> sc;         // K4: [N, K/32] 0..63; K6: [N, K/16] -128..127
+    std::vector<int> mn;         // K4: [N, K/32] 0..63
+    std::vector<uint16_t> D, Dmin;  // [N, K/256] float16 bits
+    std::vector<uint8_t> packed;
+};
+
+// The layouts blockquant.h describes, written out independently.
+void pack_k(KWeights& w) {
+    const int64_t nsb = w.K / 256, G = (w.N + 15) / 16, fmt = w.six ? wafer::K6 : wafer::K4;
+    const int64_t rec = wafer::record_bytes(static_cast<int>(fmt)), body = w.six ? 384 : 256;
+    w.packed.assign(static_cast<size_t>(G * nsb * rec), 0);
+    auto code = [&](int64_t n, int64_t k) -> unsigned { return n < w.N ? w.codes[n * w.K + k] : 0; };
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t s = 0; s < nsb; ++s) {
+            uint8_t* r = w.packed.data() + (g * nsb + s) * rec;
+            uint8_t* tail = r + 8 * body;
+            for (int c = 0; c < 16; ++c) {
+                const int64_t n = 16 * g + c;
+                for (int b = 0; b < 8; ++b) {
+                    const int64_t k0 = 256 * s + 32 * b;
+                    for (int i = 0; i < 4; ++i)
+                        for (int t = 0; t < 4; ++t)
+                            r[b * body + (i * 16 + c) * 4 + t] =
+                                static_cast<uint8_t>((code(n, k0 + 8 * i + t) & 15) | (code(n, k0 + 8 * i + 4 + t) & 15) << 4);
+                    if (w.six)
+                        for (int h = 0; h < 2; ++h)
+                            for (int t = 0; t < 4; ++t) {
+                                unsigned byte = 0;
+                                for (int q = 0; q < 4; ++q) byte |= (code(n, k0 + 16 * h + 4 * q + t) >> 4) << (2 * q);
+                                r[b * body + 256 + (h * 16 + c) * 4 + t] = static_cast<uint8_t>(byte);
+                            }
+                    if (n >= w.N) continue;
+                    if (w.six) {
+                        tail[32 * b + c] = static_cast<uint8_t>(static_cast<int8_t>(w.sc[n * (w.K / 16) + 16 * s + 2 * b]));
+                        tail[32 * b + 16 + c] = static_cast<uint8_t>(static_cast<int8_t>(w.sc[n * (w.K / 16) + 16 * s + 2 * b + 1]));
+                    } else {
+                        tail[16 * b + c] = static_cast<uint8_t>(w.sc[n * (w.K / 32) + 8 * s + b]);
+                        tail[128 + 16 * b + c] = static_cast<uint8_t>(w.mn[n * (w.K / 32) + 8 * s + b]);
+                    }
+                }
+                const uint16_t d = n < w.N ? w.D[n * nsb + s] : 0, dm = n < w.N && !w.six ? w.Dmin[n * nsb + s] : 0;
+                std::memcpy(tail + 256 + 2 * c, &d, 2);
+                if (!w.six) std::memcpy(tail + 288 + 2 * c, &dm, 2);
+            }
+        }
+}
+
+double k_value(const KWeights& w, int64_t n, int64_t k) {
+    const double D = half_value(w.D[n * (w.K / 256) + k / 256]);
+    const double q = w.codes[n * w.K + k];
+    if (w.six) return D * w.sc[n * (w.K / 16) + k / 16] * (q - 32.0);
+    return D * w.sc[n * (w.K / 32) + k / 32] * q - half_value(w.Dmin[n * (w.K / 256) + k / 256]) * w.mn[n * (w.K / 32) + k / 32];
+}
+
+// Channels 0, 1, 2 hold the extreme codes (all lowest, all highest, alternating) with the extreme
+// scales, channel 3 every code in order; the rest random, with factors of exponents [e0, e1].
+KWeights make_k_weights(Rng& rng, bool six, int64_t N, int64_t K, int e0, int e1) {
+    const int top = six ? 63 : 15;
+    KWeights w{six, N, K, std::vector<uint8_t>(N * K), std::vector<int>(N * K / (six ? 16 : 32)),
+               std::vector<int>(six ? 0 : N * K / 32), std::vector<uint16_t>(N * K / 256), std::vector<uint16_t>(N * K / 256), {}};
+    for (auto& c : w.codes) c = static_cast<uint8_t>(rng.below(top + 1));
+    for (int64_t k = 0; k < K; ++k) {
+        if (N > 0) w.codes[k] = 0;
+        if (N > 1) w.codes[K + k] = static_cast<uint8_t>(top);
+        if (N > 2) w.codes[2 * K + k] = static_cast<uint8_t>(k % 2 ? top : 0);
+    }
+    for (int v = 0; v <= top && 3 * K + v < N * K; ++v) w.codes[3 * K + v] = static_cast<uint8_t>(v);
+    const int64_t per = static_cast<int64_t>(w.sc.size()) / N;
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < per; ++i) {
+            int v = six ? rng.below(256) - 128 : rng.below(64);
+            if (n < 3) v = six ? (i % 2 ? 127 : -128) : 63;
+            w.sc[n * per + i] = v;
+            if (!six) w.mn[n * per + i] = n < 3 ? 63 : rng.below(64);
+        }
+    for (auto& d : w.D) d = random_half(rng, e0, e1, six && rng.below(4) == 0);
+    for (auto& d : w.Dmin) d = random_half(rng, e0, e1, rng.below(4) == 0);
+    pack_k(w);
+    return w;
+}
+
+// y [M, N] = sum over blocks of 32 of dx times sum(w xcode), in double.
+std::vector<double> k_linear_ref(const float* x, int64_t M, const KWeights& w) {
+    const int64_t K = w.K, nb = K / 32;
+    const QuantizedX qx = quantize_ref(x, M, K);
+    std::vector<double> y(M * w.N);
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t n = 0; n < w.N; ++n) {
+            double s = 0.0;
+            for (int64_t b = 0; b < nb; ++b) {
+                double dot = 0.0;
+                for (int i = 0; i < 32; ++i) dot += k_value(w, n, 32 * b + i) * qx.q[r * K + 32 * b + i];
+                s += qx.d[r * nb + b] * dot;
+            }
+            y[r * w.N + n] = s;
+        }
+    return y;
+}
+
+void test_block_linear_k() {
+    Rng rng(11);
+    struct Shape { int64_t N, K; };
+    for (bool six : {false, true})
+        for (Shape sh : {Shape{37, 256}, Shape{21, 768}, Shape{16, 512}}) {
+            const KWeights w = make_k_weights(rng, six, sh.N, sh.K, -12, -6);
+            for (int64_t M : {1, 3, 8, 11}) {
+                const std::vector<float> x = make_activations(rng, M, sh.K);
+                std::vector<float> y(M * sh.N + 32, 12345.0f);
+                wafer::block_linear(x.data(), M, sh.K, w.packed.data(), six ? wafer::K6 : wafer::K4, sh.N, y.data());
+                const double err = row_error(y.data(), k_linear_ref(x.data(), M, w).data(), M, sh.N);
+                const bool ok = err <= 1e-5 && untouched(y, M * sh.N);
+                check(ok, "block_linear %s M=%lld N=%lld K=%lld: max error %.2e of the row's largest (tol 1e-5)%s", six ? "K6" : "K4",
+                      static_cast<long long>(M), static_cast<long long>(sh.N), static_cast<long long>(sh.K), err,
+                      untouched(y, M * sh.N) ? "" : ", wrote past the output");
+            }
+        }
+    for (bool six : {false, true}) {  // subnormal float16 factors
+        const int64_t M = 3, N = 20, K = 256;
+        const KWeights w = make_k_weights(rng, six, N, K, -24, -15);
+        const std::vector<float> x = make_activations(rng, M, K);
+        std::vector<float> y(M * N, 0.0f);
+        wafer::block_linear(x.data(), M, K, w.packed.data(), six ? wafer::K6 : wafer::K4, N, y.data());
+        const double err = row_error(y.data(), k_linear_ref(x.data(), M, w).data(), M, N);
+        check(err <= 1e-5, "block_linear %s, subnormal float16 factors, M=%lld N=%lld K=%lld: max error %.2e (tol 1e-5)",
+              six ? "K6" : "K4", static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), err);
     }
 }
 
@@ -808,6 +942,7 @@ void test_decode_step() {
 int main() {
     std::printf("variant %s\n", simd::kVariant);
     test_block_linear();
+    test_block_linear_k();
     test_argmax();
     test_exp();
     test_softmax();

@@ -144,6 +144,27 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t /*xsum*/) {
     return {_mm512_add_epi32(s0, s1)};
 }
 
+// 6-bit codes (K6 records): lo's low nibbles with bits S, S+1 of hi as bits 4 and 5.
+template <int S>
+inline W high2(W lo, W hi) {
+    __m512i h;
+    if constexpr (S <= 4) h = _mm512_slli_epi16(hi.v, 4 - S);
+    else h = _mm512_srli_epi16(hi.v, S - 4);
+    return {_mm512_or_si512(lo.v, _mm512_and_si512(h, _mm512_set1_epi8(0x30)))};
+}
+// 16 int8 scales, one a channel, in the form dot_block6 takes them.
+inline I scales16(const int8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+// Lane c: s0[c] times the dot of w[0..4) (inputs 0..15) plus s1[c] times that of w[4..8) (16..31),
+// for codes below 64: a block of 32 whose two halves have scales of their own.
+inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
+    __m512i a = _mm512_setzero_si512(), b = a;
+    for (int j = 0; j < 4; ++j) {
+        a = _mm512_dpbusd_epi32(a, w[j].v, _mm512_set1_epi32(xq[j]));
+        b = _mm512_dpbusd_epi32(b, w[j + 4].v, _mm512_set1_epi32(xq[j + 4]));
+    }
+    return {_mm512_add_epi32(_mm512_mullo_epi32(a, s0.v), _mm512_mullo_epi32(b, s1.v))};
+}
+
 // =====================================================================================================
 #elif defined(WAFER_AVX2)
 
@@ -315,6 +336,57 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
 #endif
 }
 
+template <int S>
+inline W high2(W lo, W hi) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    __m256i ha, hb;
+    if constexpr (S <= 4) ha = _mm256_slli_epi16(hi.a, 4 - S), hb = _mm256_slli_epi16(hi.b, 4 - S);
+    else ha = _mm256_srli_epi16(hi.a, S - 4), hb = _mm256_srli_epi16(hi.b, S - 4);
+    return {_mm256_or_si256(lo.a, _mm256_and_si256(ha, m)), _mm256_or_si256(lo.b, _mm256_and_si256(hb, m))};
+}
+#if defined(__AVXVNNI__)
+inline I scales16(const int8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
+}
+inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
+    __m256i a0 = _mm256_setzero_si256(), b0 = a0, a1 = a0, b1 = a0;
+    for (int j = 0; j < 4; ++j) {
+        const __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 4]);
+        a0 = _mm256_dpbusd_avx_epi32(a0, w[j].a, x0);
+        b0 = _mm256_dpbusd_avx_epi32(b0, w[j].b, x0);
+        a1 = _mm256_dpbusd_avx_epi32(a1, w[j + 4].a, x1);
+        b1 = _mm256_dpbusd_avx_epi32(b1, w[j + 4].b, x1);
+    }
+    return {_mm256_add_epi32(_mm256_mullo_epi32(a0, s0.a), _mm256_mullo_epi32(a1, s1.a)),
+            _mm256_add_epi32(_mm256_mullo_epi32(b0, s0.b), _mm256_mullo_epi32(b1, s1.b))};
+}
+#else
+// Each channel's scale twice as int16 in its 32-bit lane: VPMADDWD then sums a channel's two
+// partial sums and applies its scale in one instruction.
+inline I scales16(const int8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i a = _mm256_cvtepi8_epi32(v), b = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
+    return {_mm256_or_si256(_mm256_and_si256(a, low16), _mm256_slli_epi32(a, 16)),
+            _mm256_or_si256(_mm256_and_si256(b, low16), _mm256_slli_epi32(b, 16))};
+}
+inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
+    // Codes below 64 against |x| <= 128: a VPMADDUBSW pair is at most 16128, two of them 32256, so
+    // two inputs' pairs add in int16 before each widening.
+    __m256i ra = _mm256_setzero_si256(), rb = ra;
+    for (int j = 0; j < 8; j += 2) {
+        const __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);
+        const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(w[j].a, x0), _mm256_maddubs_epi16(w[j + 1].a, x1));
+        const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(w[j].b, x0), _mm256_maddubs_epi16(w[j + 1].b, x1));
+        const I& s = j < 4 ? s0 : s1;
+        ra = _mm256_add_epi32(ra, _mm256_madd_epi16(pa, s.a));
+        rb = _mm256_add_epi32(rb, _mm256_madd_epi16(pb, s.b));
+    }
+    return {ra, rb};
+}
+#endif
+
 // =====================================================================================================
 #elif defined(WAFER_NEON)
 
@@ -428,6 +500,47 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
     return r;
 }
 
+template <int S>
+inline W high2(W lo, W hi) {
+    W r;
+    for (int i = 0; i < 4; ++i) {
+        uint8x16_t h;
+        if constexpr (S <= 4) h = vshlq_n_u8(hi.v[i], 4 - S);
+        else h = vshrq_n_u8(hi.v[i], S - 4);
+        r.v[i] = vorrq_u8(lo.v[i], vandq_u8(h, vdupq_n_u8(0x30)));
+    }
+    return r;
+}
+inline I scales16(const int8_t* p) {
+    const int8x16_t v = vld1q_s8(p);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_s8(vget_high_s8(v));
+    I r;
+    r.v[0] = vmovl_s16(vget_low_s16(lo));
+    r.v[1] = vmovl_s16(vget_high_s16(lo));
+    r.v[2] = vmovl_s16(vget_low_s16(hi));
+    r.v[3] = vmovl_s16(vget_high_s16(hi));
+    return r;
+}
+// Codes below 64 are non-negative as signed bytes too, so SDOT takes them as they are.
+inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
+    I r;
+    for (int i = 0; i < 4; ++i) {
+        int32x4_t a = vdupq_n_s32(0), b = a;
+        for (int j = 0; j < 4; ++j) {
+            const int8x16_t x0 = vreinterpretq_s8_s32(vdupq_n_s32(xq[j])), x1 = vreinterpretq_s8_s32(vdupq_n_s32(xq[j + 4]));
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+            a = vusdotq_s32(a, w[j].v[i], x0);
+            b = vusdotq_s32(b, w[j + 4].v[i], x1);
+#else
+            a = vdotq_s32(a, vreinterpretq_s8_u8(w[j].v[i]), x0);
+            b = vdotq_s32(b, vreinterpretq_s8_u8(w[j + 4].v[i]), x1);
+#endif
+        }
+        r.v[i] = vmlaq_s32(vmulq_s32(a, s0.v[i]), b, s1.v[i]);
+    }
+    return r;
+}
+
 // =====================================================================================================
 #else  // portable
 
@@ -488,6 +601,26 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t /*xsum*/) {
         std::memcpy(x, &xq[j], 4);
         for (int c = 0; c < 16; ++c)
             for (int t = 0; t < 4; ++t) r.v[c] += static_cast<int32_t>(w[j].v[4 * c + t]) * x[t];
+    }
+    return r;
+}
+
+template <int S>
+inline W high2(W lo, W hi) {
+    for (int i = 0; i < 64; ++i) lo.v[i] = static_cast<uint8_t>(lo.v[i] | (((hi.v[i] >> S) & 3) << 4));
+    return lo;
+}
+inline I scales16(const int8_t* p) { I r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
+inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
+    I r = iset1(0);
+    for (int j = 0; j < 8; ++j) {
+        int8_t x[4];
+        std::memcpy(x, &xq[j], 4);
+        for (int c = 0; c < 16; ++c) {
+            int32_t part = 0;
+            for (int t = 0; t < 4; ++t) part += static_cast<int32_t>(w[j].v[4 * c + t]) * x[t];
+            r.v[c] += part * (j < 4 ? s0.v[c] : s1.v[c]);
+        }
     }
     return r;
 }

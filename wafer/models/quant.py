@@ -144,8 +144,8 @@ def describe(path: str) -> str:
             "q8": "8-bit blocks for every layer (a file's 4- to 8-bit blocks as they are), int8 activations, "
                   "wafer's kernels",
             "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill",
-            "q4": "4-bit blocks for 4-bit file weights (Q4_0, Q4_1, Q4_K), 8-bit blocks for wider ones and the "
-                  "head, int8 activations, wafer's kernels"}[path]
+            "q4": "a file's Q4_K and Q6_K as they are, 4-bit blocks for its other 4-bit weights (Q4_0, Q4_1), "
+                  "8-bit blocks for wider ones and the head, int8 activations, wafer's kernels"}[path]
 
 
 def kernel_report(path: str, requested: str = "auto", device: str = "cpu") -> tuple[str, str | None]:

@@ -110,8 +110,8 @@ def test_plan_keeps_the_files_precision():
 
 def test_plan_gives_k_quants_records_of_their_own():
     """Qwen2.5-Coder-0.5B's Q4_K_M file: its down projections are Q4_K in some layers and Q6_K in
-    others, and get K4 and K6 records on q4 (8 bits on q8); layers stacked from other types, and its
-    Q8_0 head, keep 8-bit records."""
+    others, and get K4 and K6 records; its Q5_0 layers (gate and up, o) 5-bit ones; qkv (Q5_0 beside
+    a Q8_0 V in some layers) and its Q8_0 head 8-bit ones. The same on q4 and q8."""
     from gguf import GGMLQuantizationType as T
 
     from wafer.models import catalog
@@ -123,13 +123,14 @@ def test_plan_gives_k_quants_records_of_their_own():
         pytest.skip("Qwen2.5-Coder-0.5B is not installed (make setup installs it)")
     f = GGUFFile(path)
     q4 = block_model.plan(f.config, f, "q4")
-    down = [lp for lp in q4 if lp.module.endswith("down_proj")]
-    for lp in down:
-        qtype = f.raw(lp.parts[0])[1]
-        assert lp.fmt == {T.Q4_K: K4, T.Q6_K: K6}[qtype], (lp.module, qtype)
-    assert {lp.fmt for lp in down} == {K4, K6}
-    assert {lp.fmt for lp in q4 if not lp.module.endswith("down_proj")} == {8}
-    assert {lp.fmt for lp in block_model.plan(f.config, f, "q8")} == {8}
+    for lp in q4:
+        types = {f.raw(p)[1] for p in lp.parts}
+        want = {frozenset({T.Q4_K}): K4, frozenset({T.Q6_K}): K6, frozenset({T.Q5_0}): 5}.get(frozenset(types), 8)
+        assert lp.fmt == want, (lp.module, types)
+    assert {lp.fmt for lp in q4 if lp.module.endswith("down_proj")} == {K4, K6}
+    assert {lp.fmt for lp in q4 if lp.module.endswith(("gate_up_proj", "o_proj"))} == {5}
+    assert q4[-1].fmt == 8 and {lp.fmt for lp in q4 if lp.module.endswith("qkv_proj")} <= {5, 8}
+    assert [lp.fmt for lp in block_model.plan(f.config, f, "q8")] == [lp.fmt for lp in q4]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -178,7 +178,7 @@ def q4(path) -> LoadedModel:
     loaded = load_model(str(path), compute="q4")
     assert loaded.compute == "q4", loaded.warning
     formats = {m.fmt for m in loaded.model.modules() if isinstance(m, BlockLinear)}
-    assert formats == {K4, K6, 8}  # the file's Q4_K and Q6_K layers as they are; its Q5_0 and Q8_0 ones, and the head, in 8
+    assert formats == {K4, K6, 5, 8}  # the file's Q4_K, Q6_K and Q5_0 layers as they are; its Q8_0 ones (and Q5_0 beside them), and the head, in 8
     return loaded
 
 

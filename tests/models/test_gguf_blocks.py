@@ -112,8 +112,30 @@ def test_k_quants_are_held_exactly_in_records_of_their_own(qtype, fmt):
     per_weight = packed.numel() * 8 / (ROWS * K)
     assert packed.shape[:2] == (ROWS // 16, K // 256)
     assert per_weight == (4.625 if fmt == K4 else 6.5625)  # the file's own 4.5 and 6.5625, and 2 factors a group
-    assert format_for([qtype], "q4") == fmt and format_for([qtype], "q4", head=True) == fmt
-    assert format_for([qtype], "q8") == 8 and format_for([T.Q4_K, T.Q6_K], "q4") == 8
+    assert format_for([qtype], "q4") == fmt == format_for([qtype], "q8") == format_for([qtype], "q4", head=True)
+    assert format_for([T.Q4_K, T.Q6_K], "q4") == 8
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1])
+def test_five_bit_records_hold_the_files_weights(qtype):
+    """5-bit types go into 5-bit records as they are (6 bits a weight); 4-bit ones may share them."""
+    from wafer.models.kernels import kernels
+
+    raw = random_blocks(qtype)
+    codes, d, m = record_inputs(raw, qtype, K, 5)
+    assert int(codes.max()) == (31 if qtype in (T.Q5_0, T.Q5_1) else 15)
+    assert torch.equal(values(codes, d, m), reference(raw, qtype))
+    packed = pack_records((codes, d, m), 5)
+    assert packed.numel() * 8 / (ROWS * K) == 6.0
+    assert format_for([T.Q5_0, T.Q5_0, T.Q4_1], "q8") == 5 == format_for([T.Q5_1], "q4", head=True)
+    assert format_for([T.Q5_0, T.Q8_0], "q4") == 8 and format_for([T.Q4_1], "q8") == 8 and format_for([T.Q4_1], "q4") == 4
+    kern = kernels()
+    if kern is None:
+        pytest.skip("wafer's kernels are not built here")
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 9)[:, None]
+    got = kern.block_linear(x, packed, ROWS).double()
+    want = bq.quantize_activations(x).double() @ reference(raw, qtype).double().T
+    assert ((got - want).abs().amax(1) / want.abs().amax(1) < 1e-5).all()
 
 
 @pytest.mark.parametrize("qtype, fmt", [(T.Q4_K, K4), (T.Q6_K, K6)])

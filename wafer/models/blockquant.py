@@ -1,7 +1,7 @@
 """Block-quantised weights in the layout of wafer's own CPU kernels (csrc/blockquant.h).
 
 llama.cpp's block formats, 32 input elements per block: Q4_1 (4-bit codes with a scale and a
-minimum per block) and Q8_0 (8-bit codes with a scale); and its K-quants Q4_K and Q6_K as they are
+minimum per block), Q5_1 (5-bit codes, likewise) and Q8_0 (8-bit codes with a scale); and its K-quants Q4_K and Q6_K as they are
 (K4 and K6 records, 256 inputs each), which only a GGUF file's blocks fill (gguf_blocks.py). Quantising a GGUF's Q4_1 or Q8_0 tensor,
 once dequantised, gives back exactly the file's codes (every Q4_1 block holds a 0 and a 15 code,
 every Q8_0 block a +-127), so these paths run the file's own weights. The kernels (kernels.py)
@@ -49,13 +49,17 @@ def pack_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
     """Codes [N, K] uint8 with scales and minimums [N, K/32] float16 -> uint8 [ceil(N/16), K/32,
     record]: output channels in groups of 16 (the last padded with zeros) and for each group and
     block of 32 inputs one record: the codes such that each 64 bytes hold four consecutive inputs
-    of the 16 channels (4 bits: 32 bytes' low nibbles and the next 32's high ones), then d[16] and
-    m[16]. csrc/blockquant.h reads it."""
+    of the 16 channels (4 bits: 32 bytes' low nibbles and the next 32's high ones; 5 bits: that,
+    then 64 bytes of the codes' fifth bits), then d[16] and m[16]. csrc/blockquant.h reads it."""
     n, k = codes.shape
     nb, groups = k // QK, -(-n // 16)
     codes, d, m = _pad_rows(groups * 16, codes, d, m)
     if bits == 4:
         body = _body4(codes, groups, nb)
+    elif bits == 5:  # the low nibbles as a 4-bit body, then byte (c, t) holding bit 4 of input 4 j + t at bit j
+        top = (codes >> 4).reshape(groups, 16, nb, 8, 4).permute(0, 2, 1, 4, 3)  # (g, b, c, t, j)
+        plane = (top << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(groups, nb, 64)
+        body = torch.cat([_body4(codes & 0x0F, groups, nb), plane], dim=-1)
     else:  # k = 4 j + t; byte (j, c, t)
         body = codes.reshape(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
     return torch.cat([body, *(_per_channel(t, groups) for t in (d, m))], dim=-1).contiguous()

@@ -11,11 +11,12 @@ minimum m (value = d * code + m). Most of llama.cpp's block types are that alrea
     Q5_K  as Q4_K with 5-bit q          -> 8-bit codes                      scales rounded to float16
     Q8_0  d q                           -> 8-bit codes q + 128, m = -128 d  exact
 
-Any of them also goes into 8-bit records as it is (4-bit codes are 8-bit codes too). Two
-K-quants have records of their own that hold them exactly and in their own size (K4: Q4_K at
-4.625 bits a weight, against 5 in 4-bit records; K6: Q6_K at 6.5625, against 9 in 8-bit ones), which
-the q4 path uses where every tensor stacked into a layer is of that type. The others (Q6_K beside
-other types; Q2_K, Q3_K; float tensors) are dequantised a few rows at a time and quantised to the
+Any of them also goes into 8-bit records as it is (4-bit codes are 8-bit codes too), and the 5-bit
+types into 5-bit records (6 bits a weight, against 9). Two K-quants have records of their own that
+hold them exactly and in their own size (K4: Q4_K at 4.625 bits a weight, against 5 in 4-bit
+records; K6: Q6_K at 6.5625, against 9 in 8-bit ones). Each layer takes the smallest record that
+holds every tensor stacked into it as the file has it (format_for). The others (Q6_K beside other
+types; Q2_K, Q3_K; float tensors) are dequantised a few rows at a time and quantised to the
 record's width, so no tensor is ever held whole in float32.
 """
 
@@ -34,18 +35,24 @@ AS_CODES = (*FOUR_BIT, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0)  # held so by 8-bit recor
 ROWS_PER_CHUNK = 4096  # rows dequantised at once for the types that need it
 
 
-K4, K6 = 44, 66  # blockquant.h's formats of the K-quant records (4 and 8 name the others by their bits)
+K4, K6 = 44, 66  # blockquant.h's formats of the K-quant records (4, 5 and 8 name the others by their bits)
+FIVE_BIT = (T.Q5_0, T.Q5_1, T.Q5_K)
 
 
 def format_for(qtypes: list[T], path: str, head: bool = False) -> int:
-    """The records of a layer stacked from tensors of these types on compute path `path`: on q4, K4
-    or K6 where every part is Q4_K or Q6_K (the file's own weights, in their own size); else
-    bits_for's width, and 8 bits for an output head."""
-    if path == "q4" and all(q == T.Q4_K for q in qtypes):
+    """The records of a layer stacked from tensors of these types, on compute path q4 or q8: K4 or
+    K6 where every part is Q4_K or Q6_K, and 5-bit records where every part is a 4- or 5-bit type
+    and one is 5-bit (on both paths: the file's weights as they are, in less than 8 bits); else, on
+    q4, 4 bits for 4-bit types and below (8 for an output head); 8 bits for the rest."""
+    if all(q == T.Q4_K for q in qtypes):
         return K4
-    if path == "q4" and all(q == T.Q6_K for q in qtypes):
+    if all(q == T.Q6_K for q in qtypes):
         return K6
-    return 8 if head else max(bits_for(q, path) for q in qtypes)
+    if all(q in (*FOUR_BIT, *FIVE_BIT) for q in qtypes) and any(q in FIVE_BIT for q in qtypes):
+        return 5
+    if head:
+        return 8
+    return max(bits_for(q, path) for q in qtypes)
 
 
 def bits_for(qtype: T, path: str) -> int:
@@ -130,7 +137,7 @@ def _requantize(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch.T
 def record_inputs(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GGUF matrix's bytes [N, row bytes] -> what bq.pack_blocks takes: codes [N, K] uint8 and d, m
     [N, K/32] float16, for records of `bits` bits."""
-    if qtype in AS_CODES and (bits == 8 or qtype in FOUR_BIT):
+    if qtype in AS_CODES and (bits == 8 or qtype in FOUR_BIT or (bits == 5 and qtype in FIVE_BIT)):
         return _codes_of_blocks(raw, qtype)
     return _requantize(raw, qtype, k, bits)
 

@@ -141,11 +141,11 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
 def describe(path: str) -> str:
     return {"f32": "float32 (dense, dequantised at load)",
             "bf16": "bfloat16 (dense), decode steps replayed from CUDA graphs",
-            "q8": "8-bit blocks for every layer (a file's 4- to 8-bit blocks as they are), int8 activations, "
-                  "wafer's kernels",
+            "q8": "a file's blocks as they are: Q4_K, Q6_K and 5-bit types in records of their own, the rest in "
+                  "8-bit blocks; int8 activations, wafer's kernels",
             "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill",
-            "q4": "a file's Q4_K and Q6_K as they are, 4-bit blocks for its other 4-bit weights (Q4_0, Q4_1), "
-                  "8-bit blocks for wider ones and the head, int8 activations, wafer's kernels"}[path]
+            "q4": "a file's Q4_K, Q6_K and 5-bit types as they are, 4-bit blocks for its other 4-bit weights "
+                  "(Q4_0, Q4_1), 8-bit blocks for wider ones and the head; int8 activations, wafer's kernels"}[path]
 
 
 def kernel_report(path: str, requested: str = "auto", device: str = "cpu") -> tuple[str, str | None]:

@@ -2,6 +2,7 @@
 //
 // Weights are llama.cpp's block formats, 32 input elements per block, each block w = d * q + m:
 //   4 bits: codes q in 0..15 with a scale d and a minimum m (GGUF Q4_1)
+//   5 bits: codes q in 0..31, likewise (GGUF Q5_1; Q5_0 with m = -16 d)
 //   8 bits: codes q + 128 in 0..255 with m = -128 d, which is GGUF Q8_0 (w = d * q) made unsigned
 // Activations are quantised per block of 32 to int8 with one scale dx (as llama.cpp's Q8_1), so
 //   sum over a block of w x = d dx (sum of codes * x codes) + m (dx * sum of x codes)
@@ -9,7 +10,8 @@
 //
 // Layout (blockquant.py, pack_blocks): output channels in groups of 16, and for each group and
 // block one record: the 16 channels' 32 codes, then d[16] and m[16] as float16. The codes are
-// ordered so that each 64 bytes hold four consecutive inputs of all 16 channels: a dot product of
+// ordered so that each 64 bytes hold four consecutive inputs of all 16 channels (5 bits: the 4-bit
+// body, then 64 bytes whose byte (c, t) holds at bit j the fifth bit of input 4 j + t): a dot product of
 // those bytes against four of x's bytes broadcast gives 16 outputs' partial sums at once. Every
 // result lane is an output channel, so no horizontal sums are needed, a record is unpacked once for
 // up to eight rows of x, and each thread reads one contiguous run of records.
@@ -48,11 +50,12 @@ constexpr int QK_K = 256;  // inputs of a K4 or K6 record
 constexpr int TILE = 8;  // rows of x that share one unpacking of a record
 
 // A weight format is named by its record's size, which is how kernels.cpp tells them apart.
-enum Format : int { Q4 = 4, Q8 = 8, K4 = 44, K6 = 66 };
+enum Format : int { Q4 = 4, Q5 = 5, Q8 = 8, K4 = 44, K6 = 66 };
 
 inline int64_t record_bytes(int fmt) {
     switch (fmt) {
         case Q4: return 256 + 64;
+        case Q5: return 256 + 64 + 64;
         case Q8: return 512 + 64;
         case K4: return 8 * 256 + 2 * 128 + 64;
         default: return 8 * 384 + 256 + 32;
@@ -104,11 +107,22 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
             // The next group's record at this block: fetched while this one computes.
             for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(p + nb * rec + line, 0, 3);
             simd::W w[8];
-            if constexpr (BITS == 4) {
+            if constexpr (BITS == 4 || BITS == 5) {
                 for (int i = 0; i < 4; ++i) {
                     const simd::W v = simd::wload(p + 64 * i);
                     w[2 * i] = simd::low_nibbles(v);
                     w[2 * i + 1] = simd::high_nibbles(v);
+                }
+                if constexpr (BITS == 5) {
+                    const simd::W top = simd::wload(p + 256);
+                    w[0] = simd::top_bits<0, 0x10>(w[0], top);
+                    w[1] = simd::top_bits<1, 0x10>(w[1], top);
+                    w[2] = simd::top_bits<2, 0x10>(w[2], top);
+                    w[3] = simd::top_bits<3, 0x10>(w[3], top);
+                    w[4] = simd::top_bits<4, 0x10>(w[4], top);
+                    w[5] = simd::top_bits<5, 0x10>(w[5], top);
+                    w[6] = simd::top_bits<6, 0x10>(w[6], top);
+                    w[7] = simd::top_bits<7, 0x10>(w[7], top);
                 }
             } else {
                 for (int j = 0; j < 8; ++j) w[j] = simd::wload(p + 64 * j);
@@ -120,7 +134,7 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
             for (int r = 0; r < R; ++r) {
                 const int64_t at = r * nb + b;
                 const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + r * x.K + b * QK);
-                const simd::F dot = simd::to_float(simd::dot_block<BITS == 4>(w, xi, x.n[at]));
+                const simd::F dot = simd::to_float(simd::dot_block<BITS>(w, xi, x.n[at]));
                 acc[r] = simd::fma(dot, d * simd::set1(x.d[at]), acc[r]);
                 acc[r] = simd::fma(m, simd::set1(x.s[at]), acc[r]);
             }
@@ -157,10 +171,10 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
                 if constexpr (SIX) {
                     for (int h = 0; h < 2; ++h) {
                         const simd::W top = simd::wload(p + 256 + 64 * h);
-                        w[4 * h] = simd::high2<0>(w[4 * h], top);
-                        w[4 * h + 1] = simd::high2<2>(w[4 * h + 1], top);
-                        w[4 * h + 2] = simd::high2<4>(w[4 * h + 2], top);
-                        w[4 * h + 3] = simd::high2<6>(w[4 * h + 3], top);
+                        w[4 * h] = simd::top_bits<0, 0x30>(w[4 * h], top);
+                        w[4 * h + 1] = simd::top_bits<2, 0x30>(w[4 * h + 1], top);
+                        w[4 * h + 2] = simd::top_bits<4, 0x30>(w[4 * h + 2], top);
+                        w[4 * h + 3] = simd::top_bits<6, 0x30>(w[4 * h + 3], top);
                     }
                     const int8_t* sc = reinterpret_cast<const int8_t*>(tail + 32 * b);
                     const simd::I s0 = simd::scales16(sc), s1 = simd::scales16(sc + 16);
@@ -184,7 +198,7 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
                     for (int r = 0; r < R; ++r) {
                         const int64_t at = r * x.nb + blk;
                         const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + r * x.K + blk * QK);
-                        const simd::F dot = simd::to_float(simd::dot_block<true>(w, xi, x.n[at]));
+                        const simd::F dot = simd::to_float(simd::dot_block<4>(w, xi, x.n[at]));
                         acc[r] = simd::fma(dot, d * simd::set1(x.d[at]), acc[r]);
                         acc[r] = simd::fnma(m, simd::set1(x.s[at]), acc[r]);
                     }
@@ -247,6 +261,7 @@ inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P,
                 const int rows = static_cast<int>(std::min<int64_t>(TILE, M - r0));
                 switch (fmt) {
                     case Q4: tile_rows<4>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
+                    case Q5: tile_rows<5>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
                     case Q8: tile_rows<8>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
                     case K4: tile_k_rows<false>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
                     default: tile_k_rows<true>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;

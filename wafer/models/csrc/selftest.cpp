@@ -1,5 +1,5 @@
 // A standalone self-test of the kernels for the variant it is compiled for (no torch, no Python):
-// block_linear (4- and 8-bit records, K4 and K6), argmax_rows, simd::exp, softmax_exp, rms_norm and a small
+// block_linear (4-, 5- and 8-bit records, K4 and K6), argmax_rows, simd::exp, softmax_exp, rms_norm and a small
 // decode_step, each against a plain scalar reference in this file, on deterministic pseudo-random
 // data. It is how the variants this machine cannot load into PyTorch are verified (the NEON ones
 // under qemu-aarch64: tests/models/test_kernels_selftest.py builds and runs it per variant):
@@ -128,14 +128,14 @@ uint16_t random_half(Rng& rng, int emin, int emax, bool negative) {
 struct Weights {
     int bits;
     int64_t N, K;
-    std::vector<uint8_t> codes;   // [N, K], 0..15 or 0..255
+    std::vector<uint8_t> codes;   // [N, K], 0..15, 0..31 or 0..255
     std::vector<uint16_t> d, m;   // [N, K/32] float16 bits
     std::vector<uint8_t> packed;  // blockquant.h's records
 };
 
 // The layout of blockquant.py's pack_blocks, written out independently.
 void pack(Weights& w) {
-    const int64_t nb = w.K / 32, G = (w.N + 15) / 16, rec = wafer::record_bytes(w.bits), body = w.bits == 4 ? 256 : 512;
+    const int64_t nb = w.K / 32, G = (w.N + 15) / 16, rec = wafer::record_bytes(w.bits), body = rec - 64;
     w.packed.assign(static_cast<size_t>(G * nb * rec), 0);
     auto code = [&](int64_t n, int64_t k) -> unsigned { return n < w.N ? w.codes[n * w.K + k] : 0; };
     for (int64_t g = 0; g < G; ++g)
@@ -150,7 +150,13 @@ void pack(Weights& w) {
                     for (int i = 0; i < 4; ++i)
                         for (int t = 0; t < 4; ++t)
                             r[(i * 16 + c) * 4 + t] =
-                                static_cast<uint8_t>(code(n, 32 * b + 8 * i + t) | code(n, 32 * b + 8 * i + 4 + t) << 4);
+                                static_cast<uint8_t>((code(n, 32 * b + 8 * i + t) & 15) | (code(n, 32 * b + 8 * i + 4 + t) & 15) << 4);
+                    if (w.bits == 5)
+                        for (int t = 0; t < 4; ++t) {
+                            unsigned byte = 0;
+                            for (int j = 0; j < 8; ++j) byte |= (code(n, 32 * b + 4 * j + t) >> 4) << j;
+                            r[256 + c * 4 + t] = static_cast<uint8_t>(byte);
+                        }
                 }
                 const uint16_t d = n < w.N ? w.d[n * nb + b] : 0, m = n < w.N ? w.m[n * nb + b] : 0;
                 std::memcpy(r + body + 2 * c, &d, 2);
@@ -213,12 +219,12 @@ std::vector<double> linear_ref(const float* x, int64_t M, const Weights& w, doub
     return y;
 }
 
-// Random codes with scales d (exponents [de0, de1]) and, for 4 bits, minimums (exponents [me0, me1],
+// Random codes with scales d (exponents [de0, de1]) and, for 4 and 5 bits, minimums (exponents [me0, me1],
 // either sign); 8-bit minimums are -128 d. Channels 0, 1, 2 hold the extreme codes (all lowest, all
 // highest, alternating) and channel 3 on every code value in order.
 Weights make_weights(Rng& rng, int bits, int64_t N, int64_t K, int de0, int de1, int me0, int me1) {
     const int64_t nb = K / 32;
-    const int top = bits == 4 ? 15 : 255;
+    const int top = (1 << bits) - 1;
     Weights w{bits, N, K, std::vector<uint8_t>(N * K), std::vector<uint16_t>(N * nb), std::vector<uint16_t>(N * nb), {}};
     for (auto& c : w.codes) c = static_cast<uint8_t>(rng.below(top + 1));
     for (int64_t k = 0; k < K; ++k) {
@@ -283,9 +289,9 @@ std::vector<float> make_activations(Rng& rng, int64_t M, int64_t K) {
 void test_block_linear() {
     Rng rng(1);
     struct Shape { int64_t N, K; };
-    for (int bits : {4, 8})
+    for (int bits : {4, 5, 8})
         for (Shape s : {Shape{37, 64}, Shape{37, 576}, Shape{16, 64}}) {
-            const Weights w = bits == 4 ? make_weights(rng, 4, s.N, s.K, -8, -4, -6, -2) : make_weights(rng, 8, s.N, s.K, -12, -6, 0, 0);
+            const Weights w = bits < 8 ? make_weights(rng, bits, s.N, s.K, -8, -4, -6, -2) : make_weights(rng, 8, s.N, s.K, -12, -6, 0, 0);
             for (int64_t M : {1, 3, 8, 11}) {
                 const std::vector<float> x = make_activations(rng, M, s.K);
                 std::vector<float> y(M * s.N + 32, 12345.0f);
@@ -298,7 +304,7 @@ void test_block_linear() {
             }
         }
     // Subnormal float16 scales (and minimums): only a conversion that handles them gets these right.
-    for (int bits : {4, 8}) {
+    for (int bits : {4, 5, 8}) {
         const int64_t M = 3, N = 20, K = 64;
         const Weights w = make_weights(rng, bits, N, K, -24, -15, -24, -15);
         const std::vector<float> x = make_activations(rng, M, K);

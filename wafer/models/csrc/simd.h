@@ -132,9 +132,9 @@ inline W low_nibbles(W a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F)
 inline W high_nibbles(W a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
 
 // Lane c: sum over j < 8, t < 4 of w[j] byte (c, t) times x byte (j, t): one block of 32 inputs.
-// Codes are unsigned; SMALL says they are below 16 (4 bits), which some variants exploit. xsum, the
-// block's sum of x codes, is for variants that work on codes made signed.
-template <bool SMALL>
+// Codes are unsigned, below 2^CODE_BITS (4, 5 or 8), which some variants exploit. xsum, the block's
+// sum of x codes, is for variants that work on codes made signed.
+template <int CODE_BITS>
 inline I dot_block(const W* w, const int32_t* xq, int32_t /*xsum*/) {
     __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
     for (int j = 0; j < 8; j += 2) {  // two chains, for the latency of VNNI
@@ -144,13 +144,14 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t /*xsum*/) {
     return {_mm512_add_epi32(s0, s1)};
 }
 
-// 6-bit codes (K6 records): lo's low nibbles with bits S, S+1 of hi as bits 4 and 5.
-template <int S>
-inline W high2(W lo, W hi) {
+// Codes above 4 bits: lo's low nibbles with hi shifted so that its bit S lands on bit 4, masked
+// (MASK 0x30: bits S, S + 1 for 6-bit codes; 0x10: bit S for 5-bit ones).
+template <int S, int MASK>
+inline W top_bits(W lo, W hi) {
     __m512i h;
     if constexpr (S <= 4) h = _mm512_slli_epi16(hi.v, 4 - S);
     else h = _mm512_srli_epi16(hi.v, S - 4);
-    return {_mm512_or_si512(lo.v, _mm512_and_si512(h, _mm512_set1_epi8(0x30)))};
+    return {_mm512_or_si512(lo.v, _mm512_and_si512(h, _mm512_set1_epi8(MASK)))};
 }
 // 16 int8 scales, one a channel, in the form dot_block6 takes them.
 inline I scales16(const int8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
@@ -292,7 +293,7 @@ inline W high_nibbles(W x) {
     return {_mm256_and_si256(_mm256_srli_epi16(x.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(x.b, 4), m)};
 }
 
-template <bool SMALL>
+template <int CODE_BITS>
 inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
 #if defined(__AVXVNNI__)
     (void)xsum;
@@ -307,8 +308,8 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
     return {_mm256_add_epi32(a0, a1), _mm256_add_epi32(b0, b1)};
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (SMALL) {
-        // Codes below 16 against |x| <= 127: a pair is at most 3810 and eight of them 30480, so the
+    if constexpr (CODE_BITS == 4) {
+        // Codes below 16 against |x| <= 128: a pair is at most 3840 and eight of them 30720, so the
         // block's pairs add up in int16 and widen once.
         __m256i sa = _mm256_setzero_si256(), sb = sa;
         for (int j = 0; j < 8; ++j) {
@@ -317,6 +318,20 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
             sb = _mm256_add_epi16(sb, _mm256_maddubs_epi16(w[j].b, x));
         }
         return {_mm256_madd_epi16(sa, ones), _mm256_madd_epi16(sb, ones)};
+    } else if constexpr (CODE_BITS == 5) {
+        // Below 32: a pair is at most 7936, so four inputs' pairs add up in int16 before each widening.
+        __m256i ra = _mm256_setzero_si256(), rb = ra;
+        for (int h = 0; h < 8; h += 4) {
+            __m256i sa = _mm256_setzero_si256(), sb = sa;
+            for (int j = h; j < h + 4; ++j) {
+                const __m256i x = _mm256_set1_epi32(xq[j]);
+                sa = _mm256_add_epi16(sa, _mm256_maddubs_epi16(w[j].a, x));
+                sb = _mm256_add_epi16(sb, _mm256_maddubs_epi16(w[j].b, x));
+            }
+            ra = _mm256_add_epi32(ra, _mm256_madd_epi16(sa, ones));
+            rb = _mm256_add_epi32(rb, _mm256_madd_epi16(sb, ones));
+        }
+        return {ra, rb};
     } else {
         // Codes up to 255 would saturate VPMADDUBSW's pairs: make them signed (code - 128), take
         // their magnitude (up to 128) as the unsigned operand and move their sign onto x (|x| <= 127),
@@ -336,9 +351,9 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
 #endif
 }
 
-template <int S>
-inline W high2(W lo, W hi) {
-    const __m256i m = _mm256_set1_epi8(0x30);
+template <int S, int MASK>
+inline W top_bits(W lo, W hi) {
+    const __m256i m = _mm256_set1_epi8(MASK);
     __m256i ha, hb;
     if constexpr (S <= 4) ha = _mm256_slli_epi16(hi.a, 4 - S), hb = _mm256_slli_epi16(hi.b, 4 - S);
     else ha = _mm256_srli_epi16(hi.a, S - 4), hb = _mm256_srli_epi16(hi.b, S - 4);
@@ -477,7 +492,7 @@ inline W low_nibbles(W x) { W r; WAFER_EACH(vandq_u8(x.v[i], vdupq_n_u8(0x0F)));
 inline W high_nibbles(W x) { W r; WAFER_EACH(vshrq_n_u8(x.v[i], 4)); }
 #undef WAFER_EACH
 
-template <bool SMALL>
+template <int CODE_BITS>
 inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
     I r;
 #if defined(__ARM_FEATURE_MATMUL_INT8)
@@ -488,8 +503,9 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
         for (int i = 0; i < 4; ++i) r.v[i] = vusdotq_s32(r.v[i], w[j].v[i], x);
     }
 #else
-    // SDOT multiplies signed bytes: 4-bit codes are already; 8-bit ones are made so (code - 128),
+    // SDOT multiplies signed bytes: 4- and 5-bit codes are already; 8-bit ones are made so (code - 128),
     // and 128 times x's block sum is added back.
+    constexpr bool SMALL = CODE_BITS < 8;
     for (int i = 0; i < 4; ++i) r.v[i] = vdupq_n_s32(SMALL ? 0 : 128 * xsum);
     const uint8x16_t flip = vdupq_n_u8(SMALL ? 0 : 0x80);
     for (int j = 0; j < 8; ++j) {
@@ -500,14 +516,14 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
     return r;
 }
 
-template <int S>
-inline W high2(W lo, W hi) {
+template <int S, int MASK>
+inline W top_bits(W lo, W hi) {
     W r;
     for (int i = 0; i < 4; ++i) {
         uint8x16_t h;
         if constexpr (S <= 4) h = vshlq_n_u8(hi.v[i], 4 - S);
         else h = vshrq_n_u8(hi.v[i], S - 4);
-        r.v[i] = vorrq_u8(lo.v[i], vandq_u8(h, vdupq_n_u8(0x30)));
+        r.v[i] = vorrq_u8(lo.v[i], vandq_u8(h, vdupq_n_u8(MASK)));
     }
     return r;
 }
@@ -593,7 +609,7 @@ inline W low_nibbles(W x) { for (auto& b : x.v) b &= 0x0F; return x; }
 inline W high_nibbles(W x) { for (auto& b : x.v) b >>= 4; return x; }
 #undef WAFER_EACH
 
-template <bool SMALL>
+template <int CODE_BITS>
 inline I dot_block(const W* w, const int32_t* xq, int32_t /*xsum*/) {
     I r = iset1(0);
     for (int j = 0; j < 8; ++j) {
@@ -605,9 +621,14 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t /*xsum*/) {
     return r;
 }
 
-template <int S>
-inline W high2(W lo, W hi) {
-    for (int i = 0; i < 64; ++i) lo.v[i] = static_cast<uint8_t>(lo.v[i] | (((hi.v[i] >> S) & 3) << 4));
+template <int S, int MASK>
+inline W top_bits(W lo, W hi) {
+    for (int i = 0; i < 64; ++i) {
+        unsigned h;
+        if constexpr (S <= 4) h = static_cast<unsigned>(hi.v[i]) << (4 - S);
+        else h = static_cast<unsigned>(hi.v[i]) >> (S - 4);
+        lo.v[i] = static_cast<uint8_t>(lo.v[i] | (h & MASK));
+    }
     return lo;
 }
 inline I scales16(const int8_t* p) { I r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }

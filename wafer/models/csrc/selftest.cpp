@@ -219,20 +219,26 @@ std::vector<double> linear_ref(const float* x, int64_t M, const Weights& w, doub
     return y;
 }
 
-// Random codes with scales d (exponents [de0, de1]) and, for 4 and 5 bits, minimums (exponents [me0, me1],
-// either sign); 8-bit minimums are -128 d. Channels 0, 1, 2 hold the extreme codes (all lowest, all
-// highest, alternating) and channel 3 on every code value in order.
+// Codes [N, K] in 0..top: channels 0, 1, 2 the extremes (all lowest, all highest, alternating),
+// channel 3 every code value in order, the rest random.
+std::vector<uint8_t> random_codes(Rng& rng, int64_t N, int64_t K, int top) {
+    std::vector<uint8_t> codes(N * K);
+    for (auto& c : codes) c = static_cast<uint8_t>(rng.below(top + 1));
+    for (int64_t k = 0; k < K; ++k) {
+        if (N > 0) codes[k] = 0;
+        if (N > 1) codes[K + k] = static_cast<uint8_t>(top);
+        if (N > 2) codes[2 * K + k] = static_cast<uint8_t>(k % 2 ? top : 0);
+    }
+    for (int v = 0; v <= top && 3 * K + v < N * K; ++v) codes[3 * K + v] = static_cast<uint8_t>(v);
+    return codes;
+}
+
+// random_codes with scales d (exponents [de0, de1]) and, for 4 and 5 bits, minimums (exponents
+// [me0, me1], either sign); 8-bit minimums are -128 d.
 Weights make_weights(Rng& rng, int bits, int64_t N, int64_t K, int de0, int de1, int me0, int me1) {
     const int64_t nb = K / 32;
     const int top = (1 << bits) - 1;
-    Weights w{bits, N, K, std::vector<uint8_t>(N * K), std::vector<uint16_t>(N * nb), std::vector<uint16_t>(N * nb), {}};
-    for (auto& c : w.codes) c = static_cast<uint8_t>(rng.below(top + 1));
-    for (int64_t k = 0; k < K; ++k) {
-        if (N > 0) w.codes[k] = 0;
-        if (N > 1) w.codes[K + k] = static_cast<uint8_t>(top);
-        if (N > 2) w.codes[2 * K + k] = static_cast<uint8_t>(k % 2 ? top : 0);
-    }
-    for (int v = 0; v <= top && 3 * K + v < N * K; ++v) w.codes[3 * K + v] = static_cast<uint8_t>(v);
+    Weights w{bits, N, K, random_codes(rng, N, K, top), std::vector<uint16_t>(N * nb), std::vector<uint16_t>(N * nb), {}};
     for (int64_t i = 0; i < N * nb; ++i) {
         w.d[i] = random_half(rng, de0, de1, false);
         w.m[i] = bits == 8 ? half_bits(-128.0 * half_value(w.d[i])) : random_half(rng, me0, me1, rng.below(4) != 0);
@@ -376,19 +382,12 @@ double k_value(const KWeights& w, int64_t n, int64_t k) {
     return D * w.sc[n * (w.K / 32) + k / 32] * q - half_value(w.Dmin[n * (w.K / 256) + k / 256]) * w.mn[n * (w.K / 32) + k / 32];
 }
 
-// Channels 0, 1, 2 hold the extreme codes (all lowest, all highest, alternating) with the extreme
-// scales, channel 3 every code in order; the rest random, with factors of exponents [e0, e1].
+// random_codes; channels 0, 1, 2 with the extreme scales, the rest random, with factors of
+// exponents [e0, e1].
 KWeights make_k_weights(Rng& rng, bool six, int64_t N, int64_t K, int e0, int e1) {
     const int top = six ? 63 : 15;
-    KWeights w{six, N, K, std::vector<uint8_t>(N * K), std::vector<int>(N * K / (six ? 16 : 32)),
+    KWeights w{six, N, K, random_codes(rng, N, K, top), std::vector<int>(N * K / (six ? 16 : 32)),
                std::vector<int>(six ? 0 : N * K / 32), std::vector<uint16_t>(N * K / 256), std::vector<uint16_t>(N * K / 256), {}};
-    for (auto& c : w.codes) c = static_cast<uint8_t>(rng.below(top + 1));
-    for (int64_t k = 0; k < K; ++k) {
-        if (N > 0) w.codes[k] = 0;
-        if (N > 1) w.codes[K + k] = static_cast<uint8_t>(top);
-        if (N > 2) w.codes[2 * K + k] = static_cast<uint8_t>(k % 2 ? top : 0);
-    }
-    for (int v = 0; v <= top && 3 * K + v < N * K; ++v) w.codes[3 * K + v] = static_cast<uint8_t>(v);
     const int64_t per = static_cast<int64_t>(w.sc.size()) / N;
     for (int64_t n = 0; n < N; ++n)
         for (int64_t i = 0; i < per; ++i) {

@@ -103,8 +103,17 @@ def _codes_of_blocks(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.T
         else:
             codes = _nibbles(rest)
         return codes.reshape(n, -1), d, m
-    # K types: 256 inputs a block, eight sub-blocks of 32 with 6-bit scales and minimums.
-    d, dmin = _f16(b[..., 0:2]).float(), _f16(b[..., 2:4]).float()
+    codes, sc, mn, d, dmin = _k_blocks(raw, qtype)
+    d32 = (d.float().repeat_interleave(8, dim=1) * sc.float()).half()
+    m32 = (-(dmin.float().repeat_interleave(8, dim=1) * mn.float())).half()
+    return codes, d32, m32
+
+
+def _k_blocks(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, ...]:
+    """Q4_K or Q5_K bytes [N, row bytes] -> codes [N, K], 6-bit scales and minimums [N, K/32] uint8,
+    and the 256-input blocks' factors d and dmin [N, K/256] float16 (w = d sc q - dmin mn)."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, GGML_QUANT_SIZES[qtype][1])
     sc, mn = _k_scales(b[..., 4:16])
     if qtype == T.Q4_K:
         qs = b[..., 16:144].reshape(n, -1, 4, 1, 32)
@@ -114,9 +123,7 @@ def _codes_of_blocks(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.T
         low = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 8, 32)
         high = (qh.unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1
         codes = low | (high << 4)
-    d32 = (d[..., None] * sc.float()).half().reshape(n, -1)
-    m32 = (-(dmin[..., None] * mn.float())).half().reshape(n, -1)
-    return codes.reshape(n, -1), d32, m32
+    return codes.reshape(n, -1), sc.reshape(n, -1), mn.reshape(n, -1), _f16(b[..., 0:2]), _f16(b[..., 2:4])
 
 
 def _requantize(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,16 +149,6 @@ def record_inputs(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch
     return _requantize(raw, qtype, k, bits)
 
 
-def _k4_inputs(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q4_K bytes [N, row bytes] -> bq.pack_k4's codes, sc, mn, d, dmin."""
-    n = raw.shape[0]
-    b = raw.reshape(n, -1, GGML_QUANT_SIZES[T.Q4_K][1])
-    sc, mn = _k_scales(b[..., 4:16])
-    qs = b[..., 16:144].reshape(n, -1, 4, 1, 32)
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-2)  # sub-block 2c: low nibbles of chunk c, 2c+1: high
-    return codes.reshape(n, -1), sc.reshape(n, -1), mn.reshape(n, -1), _f16(b[..., 0:2]), _f16(b[..., 2:4])
-
-
 def _k6_inputs(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q6_K bytes [N, row bytes] -> bq.pack_k6's codes, sc, d. A block is ql[128], qh[64], sc[16]
     (int8, one per 16 inputs), d: input 128 h + 32 k + l has the low nibble of ql[64 h + 32 (k % 2)
@@ -169,7 +166,7 @@ def _k6_inputs(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def record_parts(raw: torch.Tensor, qtype: T, k: int, fmt: int) -> tuple[torch.Tensor, ...]:
     """What pack_records packs, for rows that may be stacked with other tensors' first."""
     if fmt == K4:
-        return _k4_inputs(raw)
+        return _k_blocks(raw, T.Q4_K)
     if fmt == K6:
         return _k6_inputs(raw)
     return record_inputs(raw, qtype, k, fmt)

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -68,11 +69,12 @@ struct QuantizedRows {  // x quantised per block of 32, as the kernels read it
     const float* d;    // [rows, nb] scales
     const float* s;    // [rows, nb] scale * sum of the block's codes
     const int32_t* n;  // [rows, nb] sum of the block's codes
-    const float* h;    // [rows, nb, 2] scale * sum of each half's codes (K6's scales change at 16)
+    const float* h;    // [rows, nb, 2] scale * sum of each half's codes (K6's scales change at 16; else null)
     int64_t K, nb;
 };
 
-// x [M, K] -> int8 codes (round to nearest even of x / (max|x| / 127)) with the scales and sums above.
+// x [M, K] -> int8 codes (round to nearest even of x / (max|x| / 127)) with the scales and sums above
+// (the halves' only where hx is not null).
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* nx, float* hx) {
     const int64_t nb = K / QK;
     for (int64_t r = 0; r < M; ++r) {
@@ -84,12 +86,15 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, floa
             const simd::I qa = simd::to_int(a * simd::set1(id)), qc = simd::to_int(c * simd::set1(id));
             simd::store_i8(qx + r * K + b * QK, qa);
             simd::store_i8(qx + r * K + b * QK + 16, qc);
-            const int32_t na = simd::isum(qa), nc = simd::isum(qc);
+            const int32_t n = simd::isum(qa + qc);
             dx[r * nb + b] = d;
-            sx[r * nb + b] = d * static_cast<float>(na + nc);
-            nx[r * nb + b] = na + nc;
-            hx[2 * (r * nb + b)] = d * static_cast<float>(na);
-            hx[2 * (r * nb + b) + 1] = d * static_cast<float>(nc);
+            sx[r * nb + b] = d * static_cast<float>(n);
+            nx[r * nb + b] = n;
+            if (hx) {
+                const int32_t na = simd::isum(qa);
+                hx[2 * (r * nb + b)] = d * static_cast<float>(na);
+                hx[2 * (r * nb + b) + 1] = d * static_cast<float>(n - na);
+            }
         }
     }
 }
@@ -156,6 +161,7 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
         for (int64_t s = 0; s < nsb; ++s, ps += rec) {
             const uint8_t* tail = ps + 8 * body;
             const simd::F D = simd::load_half(reinterpret_cast<const uint16_t*>(tail + 256));
+            const simd::F Dmin = SIX ? simd::zero() : simd::load_half(reinterpret_cast<const uint16_t*>(tail + 288));
 #pragma GCC unroll 1
             for (int b = 0; b < 8; ++b) {
                 // An eighth of the next group's record at this super-block, fetched while this one computes.
@@ -192,8 +198,7 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
                     }
                 } else {
                     const simd::F d = D * simd::load_i8(reinterpret_cast<const int8_t*>(tail + 16 * b));
-                    const simd::F m = simd::load_half(reinterpret_cast<const uint16_t*>(tail + 288)) *
-                                      simd::load_i8(reinterpret_cast<const int8_t*>(tail + 128 + 16 * b));
+                    const simd::F m = Dmin * simd::load_i8(reinterpret_cast<const int8_t*>(tail + 128 + 16 * b));
 #pragma GCC unroll 8
                     for (int r = 0; r < R; ++r) {
                         const int64_t at = r * x.nb + blk;
@@ -210,31 +215,19 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
     }
 }
 
-template <bool SIX>
-void tile_k_rows(int rows, const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
+// fn(std::integral_constant<int, R>) for R = rows (1..TILE): the tiles' row count as a template argument,
+// so that their accumulators are registers.
+template <class Fn>
+void with_rows(int rows, const Fn& fn) {
     switch (rows) {
-        case 1: return tile_k<SIX, 1>(P, nsb, x, Y, N, g0, g1);
-        case 2: return tile_k<SIX, 2>(P, nsb, x, Y, N, g0, g1);
-        case 3: return tile_k<SIX, 3>(P, nsb, x, Y, N, g0, g1);
-        case 4: return tile_k<SIX, 4>(P, nsb, x, Y, N, g0, g1);
-        case 5: return tile_k<SIX, 5>(P, nsb, x, Y, N, g0, g1);
-        case 6: return tile_k<SIX, 6>(P, nsb, x, Y, N, g0, g1);
-        case 7: return tile_k<SIX, 7>(P, nsb, x, Y, N, g0, g1);
-        default: return tile_k<SIX, 8>(P, nsb, x, Y, N, g0, g1);
-    }
-}
-
-template <int BITS>
-void tile_rows(int rows, const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
-    switch (rows) {
-        case 1: return tile<BITS, 1>(P, nb, x, Y, N, g0, g1);
-        case 2: return tile<BITS, 2>(P, nb, x, Y, N, g0, g1);
-        case 3: return tile<BITS, 3>(P, nb, x, Y, N, g0, g1);
-        case 4: return tile<BITS, 4>(P, nb, x, Y, N, g0, g1);
-        case 5: return tile<BITS, 5>(P, nb, x, Y, N, g0, g1);
-        case 6: return tile<BITS, 6>(P, nb, x, Y, N, g0, g1);
-        case 7: return tile<BITS, 7>(P, nb, x, Y, N, g0, g1);
-        default: return tile<BITS, 8>(P, nb, x, Y, N, g0, g1);
+        case 1: return fn(std::integral_constant<int, 1>{});
+        case 2: return fn(std::integral_constant<int, 2>{});
+        case 3: return fn(std::integral_constant<int, 3>{});
+        case 4: return fn(std::integral_constant<int, 4>{});
+        case 5: return fn(std::integral_constant<int, 5>{});
+        case 6: return fn(std::integral_constant<int, 6>{});
+        case 7: return fn(std::integral_constant<int, 7>{});
+        default: return fn(std::integral_constant<int, TILE>{});
     }
 }
 
@@ -247,7 +240,7 @@ inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P,
     thread_local std::vector<int32_t> nbuf;
     if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
     if (static_cast<int64_t>(dbuf.size()) < M * nb) dbuf.resize(M * nb), sbuf.resize(M * nb), nbuf.resize(M * nb), hbuf.resize(2 * M * nb);
-    quantize_rows(x, M, K, qbuf.data(), dbuf.data(), sbuf.data(), nbuf.data(), hbuf.data());
+    quantize_rows(x, M, K, qbuf.data(), dbuf.data(), sbuf.data(), nbuf.data(), fmt == K6 ? hbuf.data() : nullptr);
     // Taken here: inside the loop the names would be other threads' own (empty) buffers.
     const int8_t* Q = qbuf.data();
     const float *D = dbuf.data(), *S = sbuf.data(), *H = hbuf.data();
@@ -257,15 +250,18 @@ inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P,
         // come from memory once and from cache for the other tiles.
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t r0 = 0; r0 < M; r0 += TILE) {
-                const QuantizedRows xr{Q + r0 * K, D + r0 * nb, S + r0 * nb, Nx + r0 * nb, H + 2 * r0 * nb, K, nb};
+                const QuantizedRows xr{Q + r0 * K, D + r0 * nb, S + r0 * nb, Nx + r0 * nb, fmt == K6 ? H + 2 * r0 * nb : nullptr, K, nb};
                 const int rows = static_cast<int>(std::min<int64_t>(TILE, M - r0));
-                switch (fmt) {
-                    case Q4: tile_rows<4>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
-                    case Q5: tile_rows<5>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
-                    case Q8: tile_rows<8>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
-                    case K4: tile_k_rows<false>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
-                    default: tile_k_rows<true>(rows, P, nrec, xr, Y + r0 * N, N, g, g + 1); break;
-                }
+                float* y = Y + r0 * N;
+                with_rows(rows, [&](auto R) {
+                    switch (fmt) {
+                        case Q4: return tile<4, R>(P, nrec, xr, y, N, g, g + 1);
+                        case Q5: return tile<5, R>(P, nrec, xr, y, N, g, g + 1);
+                        case Q8: return tile<8, R>(P, nrec, xr, y, N, g, g + 1);
+                        case K4: return tile_k<false, R>(P, nrec, xr, y, N, g, g + 1);
+                        default: return tile_k<true, R>(P, nrec, xr, y, N, g, g + 1);
+                    }
+                });
             }
     });
 }

@@ -7,7 +7,8 @@ Three workloads, greedy, up to 256 new tokens, 2 threads, on the default model o
   editors ask for a rewrite), so the answer copies most of its input;
 - coding: three requests for new code, where the answer is the model's own;
 - free writing: three open prompts (a story, an essay, a letter), where little can be copied.
-`--draft terra` adds draft-model speculation with that model (same tokenizer) proposing.
+`--draft terra` adds draft-model speculation with that model (same tokenizer) proposing. Each method
+runs with K fixed and with `--speculative-length adaptive` (up to K a step, as measured steps pay).
 
 Decode tokens/s counts the tokens after the first over the time after the first, summed over the
 prompts of a workload; median of 3 runs. Greedy output with speculation must equal the output without
@@ -69,13 +70,13 @@ def workloads(loaded) -> dict[str, list[list[int]]]:
             "free writing": [ids(chat(p)) for p in FREE]}
 
 
-def wafer_runner(loaded, spec: str, k: int, draft=None):
+def wafer_runner(loaded, spec: str, k: int, draft=None, length: str = "fixed"):
     from wafer.engine.engine import EngineConfig, LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.engine.speculative import SpeculativeConfig
 
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=4096, prefix_caching=False,
-                                            speculative=SpeculativeConfig.parse(spec, k)), draft=draft)
+                                            speculative=SpeculativeConfig.parse(spec, k, length)), draft=draft)
 
     def run(ids: list[int], n: int) -> tuple[list[int], float]:
         seq = engine.add(ids, SamplingParams(max_tokens=n, temperature=0))
@@ -138,10 +139,13 @@ def main() -> None:
 
     variant = kernels.wanted()
     label = f"wafer {loaded.compute} ({kernels.status().variant or 'PyTorch'})"
-    methods = {f"{label} + ngram k={args.k}": wafer_runner(loaded, "ngram", args.k)}
+    methods = {f"{label} + ngram k={args.k}": wafer_runner(loaded, "ngram", args.k),
+               f"{label} + ngram k<={args.k} adaptive": wafer_runner(loaded, "ngram", args.k, length="adaptive")}
     if args.draft:
         draft = load_model(str(resolve_path(args.draft)), compute=args.quant)
         methods[f"{label} + draft {draft.name} k={args.k}"] = wafer_runner(loaded, f"draft:{args.draft}", args.k, draft)
+        methods[f"{label} + draft {draft.name} k<={args.k} adaptive"] = wafer_runner(
+            loaded, f"draft:{args.draft}", args.k, draft, length="adaptive")
     lcpp = llama_cpp_run(build_for(variant), model_path)
     plain(loads[next(iter(loads))][0], 8)  # warm-up
     for _, run in methods.values():
@@ -149,16 +153,21 @@ def main() -> None:
 
     rows = []
     per_position = {}
+    lengths_chosen = {}
     for name, prompts in loads.items():
         base, tokens, ref = measure(plain, prompts, args.tokens, args.repeats)
         rows.append([name, label, str(tokens), f"{base:.1f}", "-", "1.00x", "-"])
         for method, (engine, run) in methods.items():
             st = engine.stats.spec
             before = (st.drafts, st.accepted_tokens, list(st.accepted_per_pos))
+            chosen = dict(engine.draft_length.chosen) if engine.draft_length else None
             fast, _, out = measure(run, prompts, args.tokens, args.repeats)
             drafts, accepted = st.drafts - before[0], st.accepted_tokens - before[1]
             per_pos = [a - b for a, b in zip(st.accepted_per_pos, before[2] + [0] * len(st.accepted_per_pos))]
             per_position[(name, method)] = ", ".join(f"{n / drafts:.2f}" for n in per_pos) if drafts else "-"
+            if chosen is not None:
+                lengths_chosen[(name, method)] = ", ".join(
+                    f"{k}: {n - chosen[k]}" for k, n in engine.draft_length.chosen.items() if n > chosen[k])
             rows.append([name, method, str(tokens), f"{fast:.1f}", f"{1 + accepted / drafts:.2f}" if drafts else "-",
                          f"{fast / base:.2f}x", "yes" if out == ref else "NO"])
         if lcpp is not None:
@@ -172,6 +181,10 @@ def main() -> None:
     print("acceptance rate by draft position (accepted / proposals at positions 1..k):")
     for (name, method), text in per_position.items():
         print(f"  {name}, {method}: {text}")
+    if lengths_chosen:
+        print("draft lengths the adaptive runs chose (length: steps):")
+        for (name, method), text in lengths_chosen.items():
+            print(f"  {name}, {method}: {text}")
 
 
 if __name__ == "__main__":

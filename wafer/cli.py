@@ -318,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative", default="off", metavar="off|ngram|draft:MODEL",
                    help="speculative decoding: n-gram prompt lookup, or a draft model (a path, or a model or tier "
                         "of --config) with the same tokenizer (default off)")
-    s.add_argument("--num-speculative-tokens", type=int, default=5, help="tokens proposed per step (default 5)")
+    s.add_argument("--num-speculative-tokens", type=int, default=5, help="K, the most tokens proposed a step (default 5)")
+    s.add_argument("--speculative-length", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive (default): each step proposes the number of tokens, up to K and none included, "
+                        "that measured steps show to decode fastest; fixed: always K")
     s.add_argument("--no-prefix-caching", action="store_true", help="never reuse the KV of earlier prompts")
     s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-level", default="info")

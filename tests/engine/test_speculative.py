@@ -11,7 +11,7 @@ import torch
 
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams
-from wafer.engine.speculative import NgramProposer, SpeculativeConfig, SpecStats, rejection_sample
+from wafer.engine.speculative import DraftLength, NgramProposer, SpeculativeConfig, SpecStats, rejection_sample
 from wafer.models.loader import load_model
 
 
@@ -50,6 +50,64 @@ def test_parse() -> None:
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError):
         SpeculativeConfig.parse("ngram", 0)
+    assert not SpeculativeConfig.parse("ngram", 3).adaptive
+    assert SpeculativeConfig.parse("draft:luna", 4, "adaptive").adaptive
+    with pytest.raises(ValueError):
+        SpeculativeConfig.parse("ngram", 3, "sometimes")
+
+
+def simulate(lengths: DraftLength, step_seconds, accept: float, steps: int) -> list[int]:
+    """Run the hill climb against a machine whose step over n rows takes step_seconds(n) and whose
+    drafts are each kept with probability `accept` (expected tokens of a step with k proposed:
+    1 + accept + ... + accept^k, no noise); the lengths it chose, in order."""
+    chosen = []
+    for _ in range(steps):
+        k = lengths.choose()
+        chosen.append(k)
+        lengths.record(k, sum(accept ** i for i in range(k + 1)), step_seconds(1 + k))
+    return chosen
+
+
+def test_draft_length_finds_that_speculation_does_not_pay_where_rows_cost_nearly_a_step() -> None:
+    # Two cores: a verified row costs half a step (compute bound), the drafts are poor.
+    chosen = simulate(DraftLength(8), lambda n: 0.065 + 0.031 * (n - 1), 0.3, 120)
+    assert chosen[0] == 8  # K until measured
+    assert chosen[-60:].count(0) >= 45  # then plain decoding, exploring its one neighbour now and then
+    assert set(chosen[-60:]) <= {0, 1}
+
+
+def test_draft_length_keeps_k_where_rows_are_cheap_and_drafts_are_kept() -> None:
+    # Bound by memory bandwidth: extra rows cost little; a copying answer keeps 90% of the drafts.
+    chosen = simulate(DraftLength(8), lambda n: 0.065 + 0.002 * (n - 1), 0.9, 120)
+    assert chosen[-60:].count(8) >= 45 and set(chosen[-60:]) <= {4, 8}
+
+
+def test_draft_length_follows_a_change_of_text() -> None:
+    lengths = DraftLength(8)
+    cheap = lambda n: 0.065 + 0.01 * (n - 1)  # noqa: E731
+    simulate(lengths, cheap, 0.95, 60)  # copying: long drafts pay
+    assert lengths.best == 8
+    late = simulate(lengths, cheap, 0.05, 150)  # new text: drafts are rejected
+    assert late[-50:].count(0) + late[-50:].count(1) >= 45
+    assert lengths.best in (0, 1)
+
+
+def test_adaptive_ngram_greedy_equals_plain_and_learns_from_decode_steps_alone(smollm, prompts) -> None:
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = engine(smollm).generate(prompts, sp)
+    spec = engine(smollm, SpeculativeConfig(method="ngram", num_tokens=8, adaptive=True))
+    recorded = []
+    lengths = spec.draft_length
+    assert lengths is not None
+    record = lengths.record
+    lengths.record = lambda k, tokens, seconds: (recorded.append((k, tokens)), record(k, tokens, seconds))  # type: ignore[method-assign]
+    out = [spec.generate([p], sp)[0] for p in prompts]
+    assert [s.output_ids for s in out] == [s.output_ids for s in plain]
+    # Every decoding step is measured (120 tokens in fewer steps), prompt steps never: a step
+    # yields between 1 and k + 1 tokens of its one sequence.
+    assert 0 < len(recorded) < 3 * 40 and all(1 <= tokens <= k + 1 for k, tokens in recorded)
+    assert sum(tokens for _, tokens in recorded) == 3 * 40 - 3  # each prompt's first token comes from its prefill
+    assert lengths.yields and set(lengths.yields) <= set(lengths.lengths)
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:

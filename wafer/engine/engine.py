@@ -25,6 +25,7 @@ from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import ScheduledSeq, Scheduler
 from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput, Status, TokenLogprob
 from wafer.engine.speculative import (
+    DraftLength,
     DraftModelProposer,
     NgramProposer,
     Proposer,
@@ -150,6 +151,9 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.constraints = Constraints(self.tokenizer)
         self.proposer = self._make_proposer(draft)
+        spec = self.config.speculative
+        self.draft_length = DraftLength(spec.num_tokens) if spec.enabled and spec.adaptive else None
+        self._step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
         # Last: the stages are processes, which nothing would stop if a later part of this raised.
         if self.config.pipeline_parallel > 1:
             self.pipeline = self._make_pipeline(loaded, num_blocks)
@@ -275,6 +279,7 @@ class LLMEngine:
         if self.pipeline is not None:
             return self._step_pipelined()
         started = time.perf_counter()
+        generated = self.stats.generated_tokens
         scheduled = self._schedule()
         if not scheduled:
             return []
@@ -282,7 +287,12 @@ class LLMEngine:
         scheduled, logits = self._forward(scheduled, failed)
         if not scheduled:
             return failed
-        return self._process(scheduled, logits, failed, time.perf_counter() - started)
+        outputs = self._process(scheduled, logits, failed, time.perf_counter() - started)
+        # A step of decoding alone tells what its draft length yields; prompt work would blur it.
+        if self._step_k is not None and all(item.count == 1 + len(item.draft) for item in scheduled):
+            self.draft_length.record(self._step_k, self.stats.generated_tokens - generated,  # type: ignore[union-attr]
+                                     time.perf_counter() - started)
+        return outputs
 
     # --- the step through pipeline stages ---------------------------------------------------------
     def _step_pipelined(self) -> list[SequenceOutput]:
@@ -357,6 +367,7 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.release(seq.seq_id)
         self.scheduler.preempted.clear()
+        self._step_k = None
         if scheduled and self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
             try:
                 self._attach_drafts(scheduled)
@@ -496,6 +507,10 @@ class LLMEngine:
     def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """Give each decoding sequence that may speculate a proposal to verify in this step."""
         k = self.config.speculative.num_tokens
+        if self.draft_length is not None and self.pipeline is None:
+            k = self._step_k = self.draft_length.choose()
+            if k == 0:
+                return
         items, limits = [], []
         for item in scheduled:
             seq = item.seq

@@ -30,17 +30,23 @@ class SpeculativeConfig:
     ngram_max: int = 4  # longest suffix looked up
     ngram_min: int = 2  # shortest suffix that counts as a match
     max_running: int = 4  # speculate only while at most this many sequences run
+    # Choose each step's K (up to num_tokens, 0 included) by measured yield (DraftLength); False: always K.
+    adaptive: bool = False
 
     @classmethod
-    def parse(cls, spec: str | None, num_tokens: int = 5) -> SpeculativeConfig:
-        """`off`, `ngram` or `draft:MODEL`, as the CLI and wafer.toml spell it."""
+    def parse(cls, spec: str | None, num_tokens: int = 5, length: str = "fixed") -> SpeculativeConfig:
+        """`off`, `ngram` or `draft:MODEL`, as the CLI and wafer.toml spell it; `length`: `fixed` (K
+        every step) or `adaptive` (up to K, by measured yield)."""
         spec = (spec or "off").strip()
         if num_tokens < 1:
             raise ValueError("the number of speculative tokens must be at least 1")
+        if length not in ("fixed", "adaptive"):
+            raise ValueError(f"speculative length {length!r}: expected fixed or adaptive")
+        adaptive = length == "adaptive"
         if spec in ("off", "ngram"):
-            return cls(method=spec, num_tokens=num_tokens)
+            return cls(method=spec, num_tokens=num_tokens, adaptive=adaptive)
         if spec.startswith("draft:") and spec[len("draft:"):]:
-            return cls(method="draft", num_tokens=num_tokens, draft_model=spec[len("draft:"):])
+            return cls(method="draft", num_tokens=num_tokens, draft_model=spec[len("draft:"):], adaptive=adaptive)
         raise ValueError(f"speculative method {spec!r}: expected off, ngram or draft:MODEL")
 
     @property
@@ -74,6 +80,51 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class DraftLength:
+    """Each step's draft length, chosen by what steps with each length yielded: tokens per second of
+    the whole step, proposing included. Whether speculation pays depends on the machine and the
+    text: where verifying a row costs nearly as much as a step (a model bound by compute, as on two
+    cores) or the drafts are seldom right, fewer tokens, or none, decode faster than K; where rows
+    are cheap (bound by memory bandwidth), K does. A hill climb over a few lengths: the best measured
+    length, and every `explore`-th step one of its neighbours, so that a change of text or load is
+    followed. Yields are moving averages, so one noisy step moves them only part way."""
+
+    def __init__(self, k_max: int, explore: int = 6, alpha: float = 0.3) -> None:
+        self.lengths = sorted({0, k_max, *(k for k in (1, 2, 4, 8, 16) if k < k_max)})
+        self.yields: dict[int, float] = {}
+        self.chosen: dict[int, int] = {k: 0 for k in self.lengths}  # steps given each length
+        self.explore, self.alpha = explore, alpha
+        self.steps = 0
+        self._upward = False
+
+    @property
+    def best(self) -> int:
+        """The length of the highest measured yield; K until one is measured."""
+        return max(self.yields, key=self.yields.__getitem__) if self.yields else self.lengths[-1]
+
+    def choose(self) -> int:
+        self.steps += 1
+        i = self.lengths.index(self.best)
+        if self.steps % self.explore:
+            k = self.lengths[i]
+        else:
+            self._upward = not self._upward
+            j = i + 1 if self._upward else i - 1
+            if not 0 <= j < len(self.lengths):  # at an end: the one neighbour there is
+                j = i - 1 if self._upward else i + 1
+            k = self.lengths[min(max(j, 0), len(self.lengths) - 1)]
+        self.chosen[k] += 1
+        return k
+
+    def record(self, k: int, tokens: int, seconds: float) -> None:
+        """A step decoded with draft length k: `tokens` new tokens in `seconds`."""
+        if seconds <= 0 or k not in self.lengths:
+            return
+        y = tokens / seconds
+        old = self.yields.get(k)
+        self.yields[k] = y if old is None else old + self.alpha * (y - old)
 
 
 @dataclass

@@ -7,7 +7,8 @@
     max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens,
     pipeline_parallel = 1       # kv_cache_memory, prefill_step_ms, pipeline_parallel (stage processes of the model)
     speculative = "ngram"       # off (default), ngram, or draft:NAME (a model of this file, a tier, or a path)
-    num_speculative_tokens = 5
+    num_speculative_tokens = 5  # K, the most tokens proposed a step
+    speculative_length = "adaptive"  # adaptive (default: up to K, as measured steps pay) or fixed (K)
     prefix_caching = true
 
     price = {input = 0.05, output = 0.2}  # USD per million tokens: the agents' cost accounting
@@ -103,6 +104,7 @@ class LocalModelConfig:
     device: str = "auto"  # auto | cpu | cuda
     speculative: str = "off"  # off | ngram | draft:NAME
     num_speculative_tokens: int = 5
+    speculative_length: str = "adaptive"  # adaptive | fixed
     prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto | f32 | bf16 | int8 | fp8
     sampling: dict[str, float] = field(default_factory=dict)  # over the model's own defaults
@@ -110,7 +112,8 @@ class LocalModelConfig:
 
 
 # Per-model settings besides the integer engine options; the CLI's values are their defaults.
-MODEL_SETTINGS = ("quant", "device", "speculative", "num_speculative_tokens", "prefix_caching", "kv_cache_dtype")
+MODEL_SETTINGS = ("quant", "device", "speculative", "num_speculative_tokens", "speculative_length", "prefix_caching",
+                  "kv_cache_dtype")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 
@@ -179,7 +182,7 @@ class ServeConfig:
                 raise ConfigError(f"alias {alias!r} points at {target!r}, which is not a tier, model or upstream")
         for m in self.models.values():
             try:
-                spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens))
+                spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens), str(m.speculative_length))
             except ValueError as e:
                 raise ConfigError(f"model {m.name!r}: {e}") from None
             if spec.draft_model in TIERS and not any(t in self.models for t in self.tiers[spec.draft_model]):

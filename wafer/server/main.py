@@ -256,7 +256,7 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
     served = []
     for m in cfg.models.values():
         target = load(m.path, m.quant, m.device)
-        spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens))
+        spec = SpeculativeConfig.parse(m.speculative, int(m.num_speculative_tokens), str(m.speculative_length))
         draft = None
         if spec.draft_model is not None:
             # A model of the configuration (weights shared with its own engine) or a file of its own.
@@ -329,6 +329,7 @@ def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(f"--kv-cache-memory: {e}") from None
     settings = {"device": args.device, "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                "speculative_length": args.speculative_length,
                 "prefix_caching": not args.no_prefix_caching, "kv_cache_dtype": args.kv_cache_dtype}
     keys = api_keys(args.api_key, args.api_key_file)  # before the models load: a bad key file fails fast
     notes: list[str] = []

@@ -176,6 +176,27 @@ def test_draft_model_of_itself_is_always_accepted(smollm, prompts) -> None:
     assert st.acceptance_rate > 0.95, st
 
 
+def test_the_draft_computes_the_prompt_with_the_target_chunk_by_chunk(smollm, prompts) -> None:
+    """The draft's prompt work is done in the prompt's steps (part of the time to the first token),
+    so the first proposal feeds it one token rather than the whole prompt."""
+    spec = engine(smollm, "draft:self", k=4, draft=smollm, max_batched_tokens=64)
+    fed = []
+    run = spec.proposer.runner.run
+    spec.proposer.runner.run = lambda items, *a, **kw: (fed.append([i.count for i in items]), run(items, *a, **kw))[1]
+    seq = spec.add(prompts[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    n = len(prompts[0])
+    assert n > 128
+    while not seq.output_ids:  # the prompt's steps: 64-token chunks, the draft following each
+        spec.step()
+    assert spec.proposer.cached[seq.seq_id] == n
+    assert fed == [[64]] * (n // 64) + ([[n % 64]] if n % 64 else [])
+    fed.clear()
+    spec.step()  # the first proposal: the target's first token, then one token a draft step
+    assert fed == [[1]] * 4
+    while not seq.finished:
+        spec.step()
+
+
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     """A target and a different draft with a 16-token vocabulary (sharply peaked, unlike each other)."""

@@ -287,6 +287,7 @@ class LLMEngine:
         scheduled, logits = self._forward(scheduled, failed)
         if not scheduled:
             return failed
+        self._draft_follows_prompt(scheduled)
         outputs = self._process(scheduled, logits, failed, time.perf_counter() - started)
         # A step of decoding alone tells what its draft length yields; prompt work would blur it.
         if self._step_k is not None and all(item.count == 1 + len(item.draft) for item in scheduled):
@@ -504,6 +505,17 @@ class LLMEngine:
                                      error=f"{type(error).__name__}: {error}"))
 
     # --- speculative decoding -------------------------------------------------------------------
+    def _draft_follows_prompt(self, scheduled: list[ScheduledSeq]) -> None:
+        if not isinstance(self.proposer, DraftModelProposer):
+            return
+        prompt = [item for item in scheduled if item.start < item.seq.num_prompt and not item.seq.finished]
+        try:
+            self.proposer.follow_prompt(prompt)
+        except Exception:  # an optimisation: the first proposal catches up instead
+            log.exception("the draft model failed on a prompt chunk; it catches up when it next proposes")
+            for item in prompt:
+                self.proposer.release(item.seq.seq_id)
+
     def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """Give each decoding sequence that may speculate a proposal to verify in this step."""
         k = self.config.speculative.num_tokens

@@ -221,6 +221,21 @@ class DraftModelProposer:
             out.append(Draft(d, torch.stack(q) if q else None))
         return out
 
+    def follow_prompt(self, items: list[ScheduledSeq]) -> None:
+        """Compute the prompt chunks the target computed this step (from wherever the draft's cache
+        ends, which a cached prefix of the target's may have skipped). The draft's prompt work then
+        counts in the prompt's time, as the target's does, instead of stalling the stream at its
+        first proposal for as long as a prefill takes."""
+        work = []
+        for item in items:
+            start, end = self.cached.get(item.seq.seq_id, 0), min(item.start + item.count, item.seq.num_prompt)
+            if end > start:
+                work.append(ScheduledSeq(item.seq, start, end - start))
+        if work:
+            self.runner.run(work)
+            for w in work:
+                self.cached[w.seq.seq_id] = w.start + w.count
+
     def verified(self, seq: Sequence, start_len: int, accepted: int, proposed: int) -> None:
         # Draft KV past the accepted tokens belongs to rejected proposals: forget it.
         self.cached[seq.seq_id] = start_len + min(accepted, proposed - 1)

@@ -151,13 +151,17 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.constraints = Constraints(self.tokenizer)
         self.proposer = self._make_proposer(draft)
-        spec = self.config.speculative
-        self.draft_length = DraftLength(spec.num_tokens) if spec.enabled and spec.adaptive else None
-        self._step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
         # Last: the stages are processes, which nothing would stop if a later part of this raised.
         if self.config.pipeline_parallel > 1:
             self.pipeline = self._make_pipeline(loaded, num_blocks)
         self.runner = self.pipeline.runner if self.pipeline is not None else ModelRunner(loaded.model, self.kv)
+        spec = self.config.speculative
+        adaptive = spec.enabled and spec.adaptive
+        if adaptive and self.pipeline is not None:
+            log.info("pipeline stages: speculation proposes a fixed %d tokens (adaptive lengths measure whole "
+                     "steps, which stages overlap)", spec.num_tokens)
+        self.draft_length = DraftLength(spec.num_tokens) if adaptive and self.pipeline is None else None
+        self._step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
         self._core_seconds_per_token: float | None = None  # of a prompt token in a step (see _time_prefill)
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
@@ -289,10 +293,13 @@ class LLMEngine:
             return failed
         self._draft_follows_prompt(scheduled)
         outputs = self._process(scheduled, logits, failed, time.perf_counter() - started)
-        # A step of decoding alone tells what its draft length yields; prompt work would blur it.
-        if self._step_k is not None and all(item.count == 1 + len(item.draft) for item in scheduled):
+        # A step of decoding alone tells what its draft length yields; prompt work, or a draft model
+        # catching up on tokens decoded without it (a cost of switching lengths, not of one), would blur it.
+        if self._step_k is not None and all(item.count == 1 + len(item.draft) and item.start >= item.seq.num_prompt
+                                            for item in scheduled):
+            catch_up = self.proposer.catch_up_seconds if isinstance(self.proposer, DraftModelProposer) else 0.0
             self.draft_length.record(self._step_k, self.stats.generated_tokens - generated,  # type: ignore[union-attr]
-                                     time.perf_counter() - started)
+                                     time.perf_counter() - started - catch_up, len(scheduled))
         return outputs
 
     # --- the step through pipeline stages ---------------------------------------------------------
@@ -369,6 +376,8 @@ class LLMEngine:
                 self.proposer.release(seq.seq_id)
         self.scheduler.preempted.clear()
         self._step_k = None
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.catch_up_seconds = 0.0
         if scheduled and self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
             try:
                 self._attach_drafts(scheduled)
@@ -508,7 +517,13 @@ class LLMEngine:
     def _draft_follows_prompt(self, scheduled: list[ScheduledSeq]) -> None:
         if not isinstance(self.proposer, DraftModelProposer):
             return
-        prompt = [item for item in scheduled if item.start < item.seq.num_prompt and not item.seq.finished]
+        # Only sequences that may speculate: not under a grammar, not a single token, and not while
+        # more run than speculate (they catch up at their first proposal, if one comes).
+        spec = self.config.speculative
+        if len(self.scheduler.running) > spec.max_running:
+            return
+        prompt = [item for item in scheduled if item.start < item.seq.num_prompt and not item.seq.finished
+                  and item.seq.matcher is None and item.seq.params.max_tokens > 1]
         try:
             self.proposer.follow_prompt(prompt)
         except Exception:  # an optimisation: the first proposal catches up instead
@@ -518,9 +533,11 @@ class LLMEngine:
 
     def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """Give each decoding sequence that may speculate a proposal to verify in this step."""
+        if not any(item.count == 1 and item.samples and item.seq.matcher is None for item in scheduled):
+            return  # prompt work alone: nothing to propose for, no length to choose
         k = self.config.speculative.num_tokens
         if self.draft_length is not None and self.pipeline is None:
-            k = self._step_k = self.draft_length.choose()
+            k = self._step_k = self.draft_length.choose(len(scheduled))
             if k == 0:
                 return
         items, limits = [], []

@@ -10,6 +10,7 @@ distribution unchanged (Leviathan et al. 2023; Chen et al. 2023).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -89,24 +90,28 @@ class DraftLength:
     cores) or the drafts are seldom right, fewer tokens, or none, decode faster than K; where rows
     are cheap (bound by memory bandwidth), K does. A hill climb over a few lengths: the best measured
     length, and every `explore`-th step one of its neighbours, so that a change of text or load is
-    followed. Yields are moving averages, so one noisy step moves them only part way."""
+    followed. Yields are moving averages, so one noisy step moves them only part way, and are kept
+    per number of sequences in the step, whose cost and yield change with it."""
 
     def __init__(self, k_max: int, explore: int = 6, alpha: float = 0.3) -> None:
         self.lengths = sorted({0, k_max, *(k for k in (1, 2, 4, 8, 16) if k < k_max)})
-        self.yields: dict[int, float] = {}
+        self.by_batch: dict[int, dict[int, float]] = {}  # sequences in the step -> length -> yield
         self.chosen: dict[int, int] = {k: 0 for k in self.lengths}  # steps given each length
         self.explore, self.alpha = explore, alpha
         self.steps = 0
         self._upward = False
 
-    @property
-    def best(self) -> int:
-        """The length of the highest measured yield; K until one is measured."""
-        return max(self.yields, key=self.yields.__getitem__) if self.yields else self.lengths[-1]
+    def yields(self, batch: int = 1) -> dict[int, float]:
+        return self.by_batch.get(batch, {})
 
-    def choose(self) -> int:
+    def best(self, batch: int = 1) -> int:
+        """The length of the highest measured yield at this batch size; K until one is measured."""
+        ys = self.yields(batch)
+        return max(ys, key=ys.__getitem__) if ys else self.lengths[-1]
+
+    def choose(self, batch: int = 1) -> int:
         self.steps += 1
-        i = self.lengths.index(self.best)
+        i = self.lengths.index(self.best(batch))
         if self.steps % self.explore:
             k = self.lengths[i]
         else:
@@ -118,13 +123,14 @@ class DraftLength:
         self.chosen[k] += 1
         return k
 
-    def record(self, k: int, tokens: int, seconds: float) -> None:
-        """A step decoded with draft length k: `tokens` new tokens in `seconds`."""
+    def record(self, k: int, tokens: int, seconds: float, batch: int = 1) -> None:
+        """A step of `batch` sequences decoded with draft length k: `tokens` new tokens in `seconds`."""
         if seconds <= 0 or k not in self.lengths:
             return
         y = tokens / seconds
-        old = self.yields.get(k)
-        self.yields[k] = y if old is None else old + self.alpha * (y - old)
+        ys = self.by_batch.setdefault(batch, {})
+        old = ys.get(k)
+        ys[k] = y if old is None else old + self.alpha * (y - old)
 
 
 @dataclass
@@ -184,6 +190,7 @@ class DraftModelProposer:
         self.kv = KVCache.for_model(model, num_slots, max_len, window_pool=0)
         self.runner = ModelRunner(model, self.kv)
         self.cached: dict[int, int] = {}  # seq_id -> leading tokens whose KV the draft cache holds
+        self.catch_up_seconds = 0.0  # of the last proposal: computing tokens decoded without the draft
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -193,6 +200,17 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        # Tokens decoded without proposals (steps of length 0, a cached prefix) first, in a call of
+        # their own, timed, so that a measure of what a draft length yields can leave them out. (Two
+        # tokens behind is the usual: the last draft token and the target's own, after a full accept.)
+        started = time.perf_counter()
+        behind = [ScheduledSeq(seq, c, len(seq.tokens) - 1 - c) for seq in seqs
+                  if (c := self.cached.get(seq.seq_id, 0)) < len(seq.tokens) - 2]
+        if behind:
+            self.runner.run(behind)
+            for b in behind:
+                self.cached[b.seq.seq_id] = b.start + b.count
+        self.catch_up_seconds = time.perf_counter() - started if behind else 0.0
         for j in range(max(limits, default=0)):
             items, idx = [], []
             for i, (seq, k) in enumerate(zip(seqs, limits)):
@@ -222,13 +240,16 @@ class DraftModelProposer:
         return out
 
     def follow_prompt(self, items: list[ScheduledSeq]) -> None:
-        """Compute the prompt chunks the target computed this step (from wherever the draft's cache
-        ends, which a cached prefix of the target's may have skipped). The draft's prompt work then
-        counts in the prompt's time, as the target's does, instead of stalling the stream at its
-        first proposal for as long as a prefill takes."""
+        """Compute as many prompt tokens as the target computed this step, from wherever the draft's
+        cache ends. The draft's prompt work then counts in the prompt's time, as the target's does,
+        instead of stalling the stream at its first proposal for as long as a prefill takes; and a
+        step's work per prompt token, which sizes the next chunks, stays the two models' for one
+        token. (A prefix the target took from its cache is the draft's to catch up on at its first
+        proposal.)"""
         work = []
         for item in items:
-            start, end = self.cached.get(item.seq.seq_id, 0), min(item.start + item.count, item.seq.num_prompt)
+            start = self.cached.get(item.seq.seq_id, 0)
+            end = min(start + item.count, item.start + item.count, item.seq.num_prompt)
             if end > start:
                 work.append(ScheduledSeq(item.seq, start, end - start))
         if work:

@@ -120,11 +120,31 @@ def test_adaptive_draft_model_greedy_equals_plain(tiny_pair) -> None:
     plain = engine(target).generate(prompts, sp)
     spec = engine(target, SpeculativeConfig(method="draft", num_tokens=4, draft_model="d", adaptive=True), draft=draft)
     spec.draft_length.by_batch[1] = {0: 1e9}  # type: ignore[union-attr]  # plain decoding looks best at first
+    fed = []
+    run = spec.proposer.runner.run
+    spec.proposer.runner.run = lambda items, *a, **kw: (fed.append([i.count for i in items]), run(items, *a, **kw))[1]
     out = [spec.generate([p], sp)[0] for p in prompts]
     assert [s.output_ids for s in out] == [s.output_ids for s in plain]
+    assert spec.stats.spec.draft_tokens > 0
+    # After plain steps the draft catches up in a call of its own, then proposes from one token.
+    catch_ups = [i for i, f in enumerate(fed) if f[0] >= 2 and i + 1 < len(fed) and fed[i + 1] == [1]]
+    assert catch_ups
     chosen = spec.draft_length.chosen  # type: ignore[union-attr]
     assert chosen[0] > 0 and sum(n for k, n in chosen.items() if k > 0) > 0  # both kinds of step ran
     assert 1 in spec.draft_length.yields(1)  # type: ignore[union-attr]  # a length explored after plain steps is measured
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
+    from wafer.engine.sequence import Sequence
+
+    prop = NgramProposer(SpeculativeConfig(method="ngram", ngram_max=3, ngram_min=2))
+    seq = Sequence([5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4], SamplingParams())
+    seq.tokens += [1, 6, 7]  # suffix (6, 7) last occurred before 3, 4; (1, 6, 7) never did
+    assert prop.propose([seq], [3])[0].tokens == [3, 4, 1]
+    seq.tokens += [42]
+    assert prop.propose([seq], [3])[0].tokens == []  # no earlier 42
+    seq.tokens += [9, 1]  # (9, 1) followed by 2, 6, 7
+    assert prop.propose([seq], [2])[0].tokens == [2, 6]
 
 
 @pytest.mark.parametrize("max_tokens", [7, 48])

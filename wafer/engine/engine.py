@@ -287,18 +287,19 @@ class LLMEngine:
         scheduled = self._schedule()
         if not scheduled:
             return []
+        # A step of decoding alone tells what its draft length yields; prompt work, or a draft model
+        # catching up on tokens decoded without it (a cost of switching lengths, not of one), would blur it.
+        measured = self._step_k is not None and all(item.samples and item.count == 1 + len(item.draft)
+                                                    and item.start >= item.seq.num_prompt for item in scheduled)
         failed: list[SequenceOutput] = []
         scheduled, logits = self._forward(scheduled, failed)
         if not scheduled:
             return failed
         self._draft_follows_prompt(scheduled)
         outputs = self._process(scheduled, logits, failed, time.perf_counter() - started)
-        # A step of decoding alone tells what its draft length yields; prompt work, or a draft model
-        # catching up on tokens decoded without it (a cost of switching lengths, not of one), would blur it.
-        if self._step_k is not None and all(item.count == 1 + len(item.draft) and item.start >= item.seq.num_prompt
-                                            for item in scheduled):
+        if measured:
             catch_up = self.proposer.catch_up_seconds if isinstance(self.proposer, DraftModelProposer) else 0.0
-            self.draft_length.record(self._step_k, self.stats.generated_tokens - generated,  # type: ignore[union-attr]
+            self.draft_length.record(self._step_k, self.stats.generated_tokens - generated,  # type: ignore[union-attr, arg-type]
                                      time.perf_counter() - started - catch_up, len(scheduled))
         return outputs
 
@@ -383,6 +384,7 @@ class LLMEngine:
                 self._attach_drafts(scheduled)
             except Exception:  # speculation is an optimisation: this step goes without it
                 log.exception("proposing drafts failed; this step decodes without them")
+                self._step_k = None  # and says nothing of what its length yields
                 for item in scheduled:
                     if item.draft:
                         item.count -= len(item.draft)

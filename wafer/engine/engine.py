@@ -538,7 +538,7 @@ class LLMEngine:
         if not any(item.count == 1 and item.samples and item.seq.matcher is None for item in scheduled):
             return  # prompt work alone: nothing to propose for, no length to choose
         k = self.config.speculative.num_tokens
-        if self.draft_length is not None and self.pipeline is None:
+        if self.draft_length is not None:
             k = self._step_k = self.draft_length.choose(len(scheduled))
             if k == 0:
                 return

@@ -119,7 +119,7 @@ class DraftLength:
             j = i + 1 if self._upward else i - 1
             if not 0 <= j < len(self.lengths):  # at an end: the one neighbour there is
                 j = i - 1 if self._upward else i + 1
-            k = self.lengths[min(max(j, 0), len(self.lengths) - 1)]
+            k = self.lengths[j]
         self.chosen[k] += 1
         return k
 
@@ -206,10 +206,7 @@ class DraftModelProposer:
         started = time.perf_counter()
         behind = [ScheduledSeq(seq, c, len(seq.tokens) - 1 - c) for seq in seqs
                   if (c := self.cached.get(seq.seq_id, 0)) < len(seq.tokens) - 2]
-        if behind:
-            self.runner.run(behind)
-            for b in behind:
-                self.cached[b.seq.seq_id] = b.start + b.count
+        self._compute(behind)
         self.catch_up_seconds = time.perf_counter() - started if behind else 0.0
         for j in range(max(limits, default=0)):
             items, idx = [], []
@@ -252,6 +249,10 @@ class DraftModelProposer:
             end = min(start + item.count, item.start + item.count, item.seq.num_prompt)
             if end > start:
                 work.append(ScheduledSeq(item.seq, start, end - start))
+        self._compute(work)
+
+    def _compute(self, work: list[ScheduledSeq]) -> None:
+        """Tokens of the sequences into the draft's KV cache, none sampled."""
         if work:
             self.runner.run(work)
             for w in work:

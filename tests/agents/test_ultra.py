@@ -30,8 +30,10 @@ def agent_of(body) -> str | None:
 class Team:
     """A policy for every turn of an Ultra response: the plan, each agent's work, the synthesis."""
 
-    def __init__(self, n: int, hold: float = 0.0, fail: str | None = None, tool_agent: str | None = None) -> None:
+    def __init__(self, n: int, hold: float = 0.0, fail: str | None = None, tool_agent: str | None = None,
+                 holds: dict[str, float] | None = None) -> None:
         self.n, self.hold, self.fail, self.tool_agent = n, hold, fail, tool_agent
+        self.holds = holds or {}  # an agent's own hold, where it is not `hold`
         self.in_flight = self.most = 0
 
     async def __call__(self, body):  # type: ignore[no-untyped-def]
@@ -46,7 +48,7 @@ class Team:
         self.in_flight += 1
         self.most = max(self.most, self.in_flight)
         try:
-            await asyncio.sleep(self.hold)
+            await asyncio.sleep(self.holds.get(agent, self.hold))
         finally:
             self.in_flight -= 1
         if agent == self.fail:
@@ -108,6 +110,16 @@ def test_plan_agents_and_synthesis(scripted):
     assert sum(a["input_tokens"] for a in per.values()) == r.usage.input_tokens
     assert sum(a["output_tokens"] for a in per.values()) == r.usage.output_tokens
     assert per["root"]["model_turns"] == 2  # plan and synthesis
+    script.policy = None
+
+
+def test_each_agent_is_timed_to_its_own_end(scripted):
+    client, script = scripted
+    script.policy = Team(2, holds={"agent_1": 0.05, "agent_2": 0.8})
+    r = client.responses.create(model=MODEL, input="Two?", extra_body={"multi_agent": {
+        "enabled": True, "max_concurrent_subagents": 2}})
+    per = r.model_extra["accounting"]["agents"]
+    assert per["agent_1"]["seconds"] < 0.5 <= 0.8 <= per["agent_2"]["seconds"], per
     script.policy = None
 
 

@@ -210,6 +210,8 @@ class Ultra:
             plan.resume = self.service.pool.claim(outs) if outs else None
             plans[name] = plan
 
+        finished: dict[str, float] = {}
+
         async def work(plan: Plan) -> None:
             try:
                 async with asyncio.timeout(SUBAGENT_SECONDS):
@@ -221,6 +223,7 @@ class Ultra:
             finally:
                 for program in plan.running:
                     await program.kill()
+                finished[plan.agent] = time.monotonic()
                 await queue.put((plan, None))
 
         tasks = [asyncio.ensure_future(work(p)) for p in plans.values()]
@@ -259,7 +262,7 @@ class Ultra:
             else:
                 agent["status"], agent["result"] = "done", _text(messages[-1]) if messages else ""
             usage_by_agent[name] = {**self._absorb(root, plan), "status": agent["status"],
-                                    "seconds": round(time.monotonic() - started, 4)}
+                                    "seconds": round(finished.get(name, time.monotonic()) - started, 4)}
 
     async def _synthesis(self, root: Plan, state: dict[str, Any], relay: Relay,
                          usage_by_agent: dict[str, dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:

@@ -259,9 +259,10 @@ ANIMALS = ["owls", "bees", "foxes", "whales", "crows", "otters", "ants", "bats",
            "hares", "newts", "larks", "crabs"]
 
 
-def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
+def ultra_rows(client: openai.OpenAI, model: str, ns: list[int], forget: Callable[[], None]) -> None:
     """Ultra against the same parts run one after another, on the same engine: each part as the
-    sub-agent would run it (its instructions, its budget), greedy so that both write the same."""
+    sub-agent would run it (its instructions, its budget), greedy so that both write the same.
+    `forget` empties the prefix cache (the server idle): each run starts without the other's prompts."""
     print(f"\nUltra on {model}: N parts at once against the same N parts one after another, greedy; "
           f"each part up to {AGENT_TOKENS} tokens")
     print("| N | Ultra wall s | of which plan s | agents s | synthesis s | sequential wall s | speed-up, whole | "
@@ -276,6 +277,7 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
                                                         "max_output_tokens_per_agent": 32}})
     for n in ns:
         task = "Write a short paragraph about each of these animals: " + ", ".join(ANIMALS[:n]) + "."
+        forget()
         t0 = time.perf_counter()
         r = client.responses.create(model=model, input=task, temperature=0, max_output_tokens=200,
                                     extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": n,
@@ -287,11 +289,12 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int]) -> None:
         plan_s, synth_s = root_turns[0]["seconds"], root_turns[-1]["seconds"]
         agents_s = max(a["seconds"] for name, a in acct["agents"].items() if name != "root")
         seq_tokens = 0
+        forget()
         t0 = time.perf_counter()
         for name, part in parts.items():
             one = client.responses.create(
-                model=model, input=part, temperature=0, max_output_tokens=AGENT_TOKENS,
-                instructions=ultra.SUBAGENT.format(name=name, n=n, task=task, part=part))
+                model=model, input=ultra.PART.format(name=name, part=part), temperature=0,
+                max_output_tokens=AGENT_TOKENS, instructions=ultra.SUBAGENT.format(n=n, task=task))
             seq_tokens += one.usage.output_tokens
         seq = time.perf_counter() - t0
         sub_tokens = sum(a["output_tokens"] for name, a in acct["agents"].items() if name != "root")
@@ -343,7 +346,8 @@ def main() -> None:
         server = serve_app(create_app(served, state_db=state), served)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=900)
         if args.ultra:
-            ultra_rows(client, "SmolLM2-135M-Instruct", [int(n) for n in args.ultra.split(",")])
+            ultra_rows(client, "SmolLM2-135M-Instruct", [int(n) for n in args.ultra.split(",")],
+                       served.engine.engine.kv.forget_prefixes)
         if args.max:
             max_rows(client, "SmolLM2-135M-Instruct", args.max.split(","))
         server.stop()

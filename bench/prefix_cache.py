@@ -1,5 +1,6 @@
 """Prefix caching through the server: a 20-turn chat replayed against `wafer serve` with the cache
-and again with `--no-prefix-caching`, side by side.
+and again with `--no-prefix-caching`, side by side. Then a burst of prompts with one system prompt
+(see `burst`).
 
 Each turn sends the whole history plus a new question (streamed, greedy, up to 48 new tokens) with
 the official `openai` client, and keeps the model's answer in the history, as a chat application
@@ -98,10 +99,51 @@ def serve(port: int, extra: list[str]) -> subprocess.Popen:
     raise RuntimeError("wafer serve did not come up")
 
 
+def burst(n: int, rounds: int) -> None:
+    """N prompts with one long system prompt, added to the engine at once (in process): the time until
+    every one has its first token, with prompts that share blocks being computed in the same step
+    waiting one step for them (scheduler.SHARED_BLOCKS_TO_WAIT) against computing them beside it."""
+    import statistics
+
+    import wafer.engine.scheduler as scheduler
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+    from wafer.models.loader import load_model
+
+    loaded = load_model(None, compute="auto")
+    tok = loaded.tokenizer
+    system = tok.encode("You are a careful assistant who answers in one short sentence and cites sources. " * 30)
+    prompts = [system + tok.encode(f" Question {i}: what is {i} plus {i}?") for i in range(n)]
+    wait = scheduler.SHARED_BLOCKS_TO_WAIT
+    times: dict[str, list[float]] = {"wait for shared blocks": [], "compute them beside": []}
+    hits: dict[str, int] = {}
+    try:
+        for _ in range(rounds):  # interleaved
+            for label, blocks in (("wait for shared blocks", wait), ("compute them beside", 1 << 30)):
+                scheduler.SHARED_BLOCKS_TO_WAIT = blocks
+                engine = LLMEngine(loaded, EngineConfig())
+                engine.generate([tok.encode("hi")], SamplingParams(max_tokens=2))
+                started = time.perf_counter()
+                seqs = [engine.add(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
+                while not all(s.finished for s in seqs):
+                    engine.step()
+                times[label].append(time.perf_counter() - started)
+                hits[label] = engine.kv.prefix_hit_tokens
+    finally:
+        scheduler.SHARED_BLOCKS_TO_WAIT = wait
+    base = statistics.median(times["compute them beside"])
+    print(f"\nA burst: {n} prompts of {len(prompts[0])} tokens, {len(system)} of them one system prompt, added at "
+          f"once (in process, default model); median of {rounds} interleaved rounds")
+    print(table(["policy", "s until every first token", "vs computing beside", "prompt tokens from the cache"],
+                [[label, f"{statistics.median(t):.2f}", f"{base / statistics.median(t):.2f}x", str(hits[label])]
+                 for label, t in times.items()]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--port", type=int, default=8420)
+    ap.add_argument("--burst", type=int, default=8, help="prompts in the burst section (0: leave it out)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     from wafer.models.loader import display_name
@@ -137,6 +179,8 @@ def main() -> None:
           f"with the cache")
     same = all(a.text == b.text for a, b in zip(cached, plain))
     print(f"same answers with and without the cache: {'yes' if same else 'NO'}")
+    if args.burst:
+        burst(args.burst, 3)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from tests.agents.scripted import ScriptedChat
 from tests.serving import start_server
 from wafer.agents.responses import ResponsesService
 from wafer.agents.store import ResponseStore
+from wafer.engine.kv_cache import BLOCK
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -23,8 +24,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 
 def agent_of(body) -> str | None:
-    system = body["messages"][0]["content"] if body["messages"][0]["role"] == "system" else ""
-    return system.split("You are ", 1)[1].split(",", 1)[0] if system.startswith("You are agent_") else None
+    """The sub-agent whose turn this is (its first user turn names it), or None for the root's."""
+    first = next((m["content"] for m in body["messages"] if m["role"] == "user"), "")
+    text = first if isinstance(first, str) else "".join(p.get("text", "") for p in first)
+    return text.split("You are ", 1)[1].split(".", 1)[0] if text.startswith("You are agent_") else None
 
 
 class Team:
@@ -200,6 +203,7 @@ def test_subagents_are_batched_in_one_engine(real):
     server, client = real
     before = server.engine.stats.max_batch_size
     server.engine.stats.max_batch_size = 0
+    hits = server.engine.kv.prefix_hit_tokens
     r = client.responses.create(model=MODEL + "-ultra", input="Write about four animals: cats, dogs, owls, bees.",
                                 temperature=0, max_output_tokens=200,
                                 extra_body={"multi_agent": {"max_concurrent_subagents": 4}})
@@ -208,6 +212,8 @@ def test_subagents_are_batched_in_one_engine(real):
     assert {"agent_1", "agent_2", "agent_3", "agent_4"} <= set(per)
     # the four agents' decode steps ran in the same engine steps
     assert server.engine.stats.max_batch_size >= 4, server.engine.stats
+    # and their instructions, the same for all four, were computed once: three agents found them cached
+    assert server.engine.kv.prefix_hit_tokens - hits >= 3 * 3 * BLOCK
     server.engine.stats.max_batch_size = max(before, server.engine.stats.max_batch_size)
 
 

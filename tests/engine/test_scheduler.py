@@ -132,3 +132,69 @@ def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
     assert sched.num_preemptions == 0 and seqs[3].status is Status.RUNNING
     out = sched.schedule()  # once it is back, it is preempted for the sequence admitted before it
     assert seqs[0] in [i.seq for i in out] and sched.preempted == [seqs[3]]
+
+
+def _small_scheduler(num_blocks: int = 32):
+    from wafer.engine.kv_cache import BLOCK, KVCache
+    from wafer.engine.scheduler import Scheduler
+    from wafer.models.config import ModelConfig
+
+    cfg = ModelConfig("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=4, max_position_embeddings=512)
+    kv = KVCache(cfg, num_slots=4, max_len=8 * BLOCK, num_blocks=num_blocks)
+    return kv, Scheduler(kv, max_running=4, max_batched_tokens=256)
+
+
+def _computed(kv, out) -> None:
+    """What the engine does after a step: each scheduled sequence holds KV up to its chunk's end."""
+    for item in out:
+        item.seq.num_cached = item.start + item.count
+        kv.set_length(item.seq.slot, item.seq.num_cached)
+
+
+def test_a_prompt_that_shares_blocks_being_computed_waits_a_step_and_reuses_them():
+    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.sequence import Sequence
+
+    kv, sched = _small_scheduler()
+    shared = [3] * (4 * BLOCK)
+    a, b, c = (Sequence(shared + [10 + i] * 5, SamplingParams(max_tokens=4)) for i in range(3))
+    other = Sequence([50] * (3 * BLOCK), SamplingParams(max_tokens=4))
+    for s in (a, b, other, c):
+        sched.add(s)
+    first = sched.schedule()
+    assert [i.seq for i in first] == [a]  # b would compute a's four blocks again beside it; FIFO holds the rest
+    _computed(kv, first)
+    second = sched.schedule()
+    assert [i.seq for i in second] == [b, other, c]
+    assert b.num_cached_prompt == c.num_cached_prompt == 4 * BLOCK
+    assert [i.count for i in second] == [5, 3 * BLOCK, 5]
+
+
+def test_prompts_that_share_less_than_two_blocks_start_together():
+    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.sequence import Sequence
+
+    kv, sched = _small_scheduler()
+    shared = [3] * (BLOCK + 4)
+    a, b = (Sequence(shared + [10 + i] * 20, SamplingParams(max_tokens=4)) for i in range(2))
+    sched.add(a)
+    sched.add(b)
+    assert [i.seq for i in sched.schedule()] == [a, b]
+
+
+def test_a_burst_with_one_system_prompt_computes_it_once(smollm):
+    """Four requests with one long system prompt, arriving together, give what each gives alone,
+    and the prompt's blocks are computed for the first only."""
+    from wafer.engine.kv_cache import BLOCK
+
+    system = smollm.tokenizer.encode("You are a careful assistant who answers in one short sentence. " * 6)
+    prompts = [system + smollm.tokenizer.encode(f" Question {i}: what is {i} plus {i}?") for i in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    alone = [LLMEngine(smollm, EngineConfig(max_running=4, prefix_caching=False)).generate([p], params)[0].output_ids
+             for p in prompts]
+    engine = LLMEngine(smollm, EngineConfig(max_running=4))
+    together = [s.output_ids for s in engine.generate(prompts, params)]
+    assert together == alone
+    hits = engine.kv.prefix_hit_tokens
+    assert hits >= 3 * (len(system) // BLOCK - 1) * BLOCK, (hits, len(system))

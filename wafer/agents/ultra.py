@@ -35,9 +35,13 @@ PLAN_TOKENS_PER_TASK = PART_CHARS // 2 + 20  # a part of one- or two-character t
 PLANNER = ("You lead a team of {n} agents who work at the same time. Split the user's task into exactly {n} "
            "independent sub-tasks, one per agent. Each sub-task is a complete instruction that one agent can "
            "carry out alone, without the others' results. Reply with the JSON object only.")
-SUBAGENT = ("You are {name}, one of {n} agents working in parallel on parts of a larger task.\n"
-            "The whole task, for context: {task}\nYour part: {part}\n"
-            "Do only your part. Use the tools if they help. Then answer with what you found, briefly.")
+# The agents' instructions are the same for all of them, so that with the tools they make one prefix
+# that the engine computes once for the team; what differs (the name, the part) is the user turn.
+SUBAGENT = ("You are one of {n} agents working in parallel on parts of a larger task.\n"
+            "The whole task, for context: {task}\n"
+            "Do only your part, which the user gives you. Use the tools if they help. Then answer with what you "
+            "found, briefly.")
+PART = "You are {name}. Your part: {part}"
 SYNTHESIS = ("Your team of agents worked on parts of the user's task. Their results follow. Combine them into one "
              "answer to the task. Do not mention the agents.")
 
@@ -196,7 +200,7 @@ class Ultra:
             new: list[dict[str, Any]] = []
             if agent["status"] == "pending":
                 new = [{"id": new_id("msg"), "type": "message", "role": "user", "status": "completed",
-                        "content": [{"type": "input_text", "text": agent["part"]}]}]
+                        "content": [{"type": "input_text", "text": PART.format(name=name, part=agent["part"])}]}]
             else:
                 owed = _owed(agent["items"])
                 missing = [c for c in owed if c not in outputs]
@@ -204,7 +208,7 @@ class Ultra:
                     raise bad_request(f"{name} waits on the outputs of calls {', '.join(missing)}; send them all "
                                       "together.", "input")
                 new = [outputs[c] for c in owed]
-            plan = self._derived(root, name, SUBAGENT.format(name=name, n=n, task=state["task"], part=agent["part"]),
+            plan = self._derived(root, name, SUBAGENT.format(n=n, task=state["task"]),
                                  agent["items"], new, True, state["agent_tokens"], model=state["subagent_model"])
             outs = {i["call_id"] for i in new if i["type"] == "function_call_output"}
             plan.resume = self.service.pool.claim(outs) if outs else None

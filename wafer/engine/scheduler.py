@@ -37,6 +37,38 @@ class ScheduledSeq:
         return self.seq.tokens[self.start : self.start + self.count] + self.draft[: max(0, self.start + self.count - n)]
 
 
+# A prompt that shares this many blocks (beyond those already cached) with a prompt being computed in
+# this step waits one step and reuses them, rather than computing them a second time beside it: what
+# a burst of requests with one system prompt, or Ultra's sub-agents, would otherwise do (SGLang's
+# in-batch prefix caching does the same).
+SHARED_BLOCKS_TO_WAIT = 2
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of a and b (slices compare in C: a binary search over them)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _computed_beside(seq: Sequence, scheduled: list[ScheduledSeq]) -> int:
+    """Whole blocks of `seq`'s prompt (its last token aside, which is always computed) that a prompt
+    chunk in `scheduled` computes in this step and no cached block holds yet."""
+    best = 0
+    for s in scheduled:
+        if s.count <= 1 or s.draft:
+            continue
+        end = min(s.start + s.count, len(s.seq.tokens))
+        shared = _common_prefix(seq.tokens[: len(seq.tokens) - 1], s.seq.tokens[:end]) // BLOCK
+        best = max(best, shared - s.start // BLOCK)  # those before its start are cached for both
+    return best
+
+
 class Scheduler:
     def __init__(self, kv: KVCache, max_running: int, max_batched_tokens: int, prefix_caching: bool = True) -> None:
         self.kv = kv
@@ -101,6 +133,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(out) < room and len(self.running) < self.max_running
                and self.kv.num_free):
             seq = self.waiting[0]
+            if self.prefix_caching and _computed_beside(seq, out) >= SHARED_BLOCKS_TO_WAIT:
+                break  # the blocks it shares are computed in this step: it finds them cached in the next
             slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
             n = min(len(seq.tokens) - reused, budget, self.kv.room(slot, len(seq.tokens)) - reused)
             if n <= 0:  # not a block free for it: it waits for a sequence to end

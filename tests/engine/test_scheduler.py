@@ -163,12 +163,48 @@ def test_a_prompt_that_shares_blocks_being_computed_waits_a_step_and_reuses_them
     for s in (a, b, other, c):
         sched.add(s)
     first = sched.schedule()
-    assert [i.seq for i in first] == [a]  # b would compute a's four blocks again beside it; FIFO holds the rest
+    assert [i.seq for i in first] == [a, other]  # b and c would compute a's four blocks again beside it
+    assert list(sched.waiting) == [b, c]
     _computed(kv, first)
     second = sched.schedule()
-    assert [i.seq for i in second] == [b, other, c]
+    assert [i.seq for i in second] == [b, c]
     assert b.num_cached_prompt == c.num_cached_prompt == 4 * BLOCK
-    assert [i.count for i in second] == [5, 3 * BLOCK, 5]
+    assert [i.count for i in second] == [5, 5]
+
+
+def test_with_steps_in_flight_a_prompt_does_not_wait_for_shared_blocks():
+    """Pipeline stages index a step's blocks only when it comes back, after the next step is
+    scheduled: waiting would only delay the prompt."""
+    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.sequence import Sequence
+
+    kv, sched = _small_scheduler()
+    busy = Sequence([1] * 8, SamplingParams(max_tokens=4))
+    sched.add(busy)
+    sched.schedule()
+    a, b = (Sequence([3] * (4 * BLOCK) + [10 + i], SamplingParams(max_tokens=4)) for i in range(2))
+    sched.add(a)
+    sched.add(b)
+    assert [i.seq for i in sched.schedule(busy={busy.seq_id})] == [a, b]
+
+
+def test_exactly_the_threshold_of_shared_blocks_makes_a_prompt_wait():
+    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.scheduler import SHARED_BLOCKS_TO_WAIT
+    from wafer.engine.sequence import Sequence
+
+    shared = SHARED_BLOCKS_TO_WAIT * BLOCK
+    # b shares the threshold's blocks and has a token after them; c is only those blocks, so that its
+    # last, which is always computed, falls in the last of them and one block fewer is shared; d shares
+    # one block fewer.
+    cases = {"b": ([3] * shared + [11], True), "c": ([3] * shared, False), "d": ([3] * (shared - BLOCK) + [12], False)}
+    for name, (tokens, waits) in cases.items():
+        kv, sched = _small_scheduler()
+        a = Sequence([3] * shared + [10], SamplingParams(max_tokens=4))
+        other = Sequence(tokens, SamplingParams(max_tokens=4))
+        sched.add(a)
+        sched.add(other)
+        assert [i.seq for i in sched.schedule()] == ([a] if waits else [a, other]), name
 
 
 def test_prompts_that_share_less_than_two_blocks_start_together():

@@ -44,29 +44,18 @@ class ScheduledSeq:
 SHARED_BLOCKS_TO_WAIT = 2
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of a and b (slices compare in C: a binary search over them)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _computed_beside(seq: Sequence, scheduled: list[ScheduledSeq]) -> int:
-    """Whole blocks of `seq`'s prompt (its last token aside, which is always computed) that a prompt
-    chunk in `scheduled` computes in this step and no cached block holds yet."""
-    best = 0
+def _computed_beside(seq: Sequence, scheduled: list[ScheduledSeq]) -> bool:
+    """Whether a prompt chunk in `scheduled` computes, in this step, SHARED_BLOCKS_TO_WAIT or more
+    whole blocks of `seq`'s prompt that no cached block holds yet (its last token aside, which is
+    always computed)."""
+    limit = len(seq.tokens) - 1
     for s in scheduled:
-        if s.count <= 1 or s.draft:
+        if s.count <= 1:
             continue
-        end = min(s.start + s.count, len(s.seq.tokens))
-        shared = _common_prefix(seq.tokens[: len(seq.tokens) - 1], s.seq.tokens[:end]) // BLOCK
-        best = max(best, shared - s.start // BLOCK)  # those before its start are cached for both
-    return best
+        t = (s.start // BLOCK + SHARED_BLOCKS_TO_WAIT) * BLOCK  # blocks before its start are cached for both
+        if t <= min(limit, s.start + s.count) and seq.tokens[:t] == s.seq.tokens[:t]:
+            return True
+    return False
 
 
 class Scheduler:
@@ -130,11 +119,16 @@ class Scheduler:
                 self.kv.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
                 out.append(ScheduledSeq(seq, seq.num_cached, n))
                 budget -= n
+        # With steps in flight (pipeline stages) the blocks a step computes are indexed only when it
+        # comes back, after the next step is scheduled: waiting for them there would gain nothing.
+        wait_for_shared = self.prefix_caching and not busy
+        held: list[Sequence] = []  # waiting a step for blocks computed in this one; the rest go on
         while (self.waiting and budget > 0 and len(out) < room and len(self.running) < self.max_running
                and self.kv.num_free):
             seq = self.waiting[0]
-            if self.prefix_caching and _computed_beside(seq, out) >= SHARED_BLOCKS_TO_WAIT:
-                break  # the blocks it shares are computed in this step: it finds them cached in the next
+            if wait_for_shared and _computed_beside(seq, out):
+                held.append(self.waiting.popleft())
+                continue
             slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
             n = min(len(seq.tokens) - reused, budget, self.kv.room(slot, len(seq.tokens)) - reused)
             if n <= 0:  # not a block free for it: it waits for a sequence to end
@@ -150,6 +144,7 @@ class Scheduler:
             self.running.append(seq)
             out.append(ScheduledSeq(seq, seq.num_cached, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))  # at the head, in their order
         return out
 
     def _make_room(self, seq: Sequence, n: int, scheduled: list[ScheduledSeq],

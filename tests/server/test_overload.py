@@ -78,10 +78,13 @@ def test_sdk_sees_rate_limit(small):
 def test_keepalive_pings_while_waiting(small):
     small.served.ping_interval = 0.2
     try:
+        # The first request holds the only running slot for many ping intervals, however fast the machine.
         first = threading.Thread(target=lambda: httpx.post(small.base_url + "/v1/chat/completions",
-                                                           json={**BODY, "max_tokens": 80}, timeout=120))
+                                                           json={**BODY, "max_tokens": 600}, timeout=120))
         first.start()
-        time.sleep(0.3)  # the first request holds the only running slot
+        deadline = time.monotonic() + 60
+        while small.engine.num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         lines = []
         with httpx.stream("POST", small.base_url + "/v1/chat/completions", json={**BODY, "max_tokens": 3,
                                                                                  "stream": True}, timeout=120) as r:

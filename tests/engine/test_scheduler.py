@@ -100,18 +100,25 @@ def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
     assert most <= 12 and engine.kv.num_used == 0 and engine.kv.usage == 0.0
 
 
-def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
-    """With pipeline stages, a step is scheduled while others are in flight: their sequences (busy)
-    are left out, and a step takes at most max_seqs sequences."""
-    from wafer.engine.kv_cache import BLOCK, KVCache
+def _small_scheduler(num_blocks: int = 32, max_len: int = 128):
+    """A scheduler over the KV cache of a one-layer model of no weights: four slots."""
+    from wafer.engine.kv_cache import KVCache
     from wafer.engine.scheduler import Scheduler
-    from wafer.engine.sequence import Sequence, Status
     from wafer.models.config import ModelConfig
 
     cfg = ModelConfig("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=4, max_position_embeddings=256)
-    kv = KVCache(cfg, num_slots=4, max_len=4 * BLOCK, num_blocks=4)  # a block each when all four run
-    sched = Scheduler(kv, max_running=4, max_batched_tokens=256)
+                      num_kv_heads=1, head_dim=4, max_position_embeddings=512)
+    kv = KVCache(cfg, num_slots=4, max_len=max_len, num_blocks=num_blocks)
+    return kv, Scheduler(kv, max_running=4, max_batched_tokens=256)
+
+
+def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
+    """With pipeline stages, a step is scheduled while others are in flight: their sequences (busy)
+    are left out, and a step takes at most max_seqs sequences."""
+    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.sequence import Sequence, Status
+
+    kv, sched = _small_scheduler(num_blocks=4, max_len=4 * BLOCK)  # a block each when all four run
     seqs = [Sequence(list(range(1, 10)), SamplingParams(max_tokens=40)) for _ in range(4)]
     for s in seqs:
         sched.add(s)
@@ -132,17 +139,6 @@ def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
     assert sched.num_preemptions == 0 and seqs[3].status is Status.RUNNING
     out = sched.schedule()  # once it is back, it is preempted for the sequence admitted before it
     assert seqs[0] in [i.seq for i in out] and sched.preempted == [seqs[3]]
-
-
-def _small_scheduler(num_blocks: int = 32):
-    from wafer.engine.kv_cache import BLOCK, KVCache
-    from wafer.engine.scheduler import Scheduler
-    from wafer.models.config import ModelConfig
-
-    cfg = ModelConfig("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=4, max_position_embeddings=512)
-    kv = KVCache(cfg, num_slots=4, max_len=8 * BLOCK, num_blocks=num_blocks)
-    return kv, Scheduler(kv, max_running=4, max_batched_tokens=256)
 
 
 def _computed(kv, out) -> None:

@@ -199,6 +199,7 @@ inline void weighted_sum(const float* p, int64_t start, int64_t end, int shift, 
 }
 
 constexpr int64_t kMaxHeads = 4;  // query heads that one pass over a KV head's rows serves
+constexpr int64_t kAhead = 3;    // blocks of keys fetched ahead of the one being read
 
 // Each of H query heads (q, H rows of n) times one key row: out[h] = q_h . k (without k's scale).
 template <int H, class T>
@@ -248,10 +249,18 @@ inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int 
                      float* p, int64_t stride, float* o) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(krow(start))>>;
     const int64_t R = kv_row<T>(n), B = int64_t{1} << shift;
+    // The keys kAhead blocks ahead, and each block's values while its keys are read (they are read
+    // after the softmax): a block is a few KB of its own, one block ahead is less than a miss's
+    // latency, and the hardware's stream prefetcher starts again at every block.
+    auto fetch = [&](auto rowf, int64_t j) {
+        if (j < end) prefetch_rows(rowf(j), std::min(B - (j & (B - 1)), end - j) * R);
+    };
+    for (int64_t a = 0; a < kAhead; ++a) fetch(krow, a == 0 ? start : ((start >> shift) + a) << shift);
     for (int64_t j0 = start; j0 < end;) {
         const T* K = krow(j0);
         const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
-        if (stop < end) prefetch_rows(krow(stop), std::min(B, end - stop) * R);
+        fetch(krow, ((j0 >> shift) + kAhead) << shift);
+        fetch(vrow, j0);
         for (int64_t j = j0; j < stop; ++j, K += R) {
             float d[H];
             dots<H>(q, K, n, d);
@@ -260,7 +269,6 @@ inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int 
         }
         j0 = stop;
     }
-    prefetch_rows(vrow(start), std::min(end - start, B - (start & (B - 1))) * R);
     float total[H];
     for (int h = 0; h < H; ++h) total[h] = softmax_exp(p + h * stride + start, end - start);
     if constexpr (H == 1)  // one pass over the rows, the whole output row in registers where it fits

@@ -151,6 +151,13 @@ inline void prefetch_rows(const T* p, int64_t elements) {
     for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(c + b);
 }
 
+// The rows of position j's block from j on, up to `end` (none where j >= end).
+template <class Row>
+inline void prefetch_block(Row row, int64_t j, int64_t end, int shift, int64_t R) {
+    const int64_t B = int64_t{1} << shift;
+    if (j < end) prefetch_rows(row(j), std::min(B - (j & (B - 1)), end - j) * R);
+}
+
 // o[0..n) = scale * sum_j p[j] v_j over positions j in [start, end), whose rows lie in blocks of
 // 2^shift positions: row(j0) is the row of j0, and the rows after it up to its block's end follow
 // it (rows of kv_row<T>(n) elements, each times its own scale).
@@ -164,7 +171,7 @@ inline void weighted_sum(const float* p, int64_t start, int64_t end, int shift, 
         for (int64_t j0 = start; j0 < end;) {
             const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
             const T* r = row(j0);
-            if (stop < end) prefetch_rows(row(stop), std::min(int64_t{1} << shift, end - stop) * R);
+            prefetch_block(row, stop, end, shift, R);
             for (int64_t j = j0; j < stop; ++j, r += R) {
                 const simd::F w = simd::set1(p[j] * kv_scale(r, n));
                 a0 = simd::fma(w, load_kv(r), a0);
@@ -224,7 +231,7 @@ inline void weighted_sums(const float* p, int64_t stride, int64_t start, int64_t
     for (int64_t i = 0; i < H * n; ++i) o[i] = 0.0f;
     for (int64_t j0 = start; j0 < end;) {
         const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
-        if (stop < end) prefetch_rows(row(stop), std::min(int64_t{1} << shift, end - stop) * R);
+        prefetch_block(row, stop, end, shift, R);
         for (int64_t e = 0; e < n; e += 16) {
             simd::F acc[H];
             for (int h = 0; h < H; ++h) acc[h] = simd::load(o + h * n + e);
@@ -248,19 +255,17 @@ template <int H, class KRow, class VRow>
 inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int shift, float scale, KRow krow, VRow vrow,
                      float* p, int64_t stride, float* o) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(krow(start))>>;
-    const int64_t R = kv_row<T>(n), B = int64_t{1} << shift;
+    const int64_t R = kv_row<T>(n);
     // The keys kAhead blocks ahead, and each block's values while its keys are read (they are read
     // after the softmax): a block is a few KB of its own, one block ahead is less than a miss's
     // latency, and the hardware's stream prefetcher starts again at every block.
-    auto fetch = [&](auto rowf, int64_t j) {
-        if (j < end) prefetch_rows(rowf(j), std::min(B - (j & (B - 1)), end - j) * R);
-    };
-    for (int64_t a = 0; a < kAhead; ++a) fetch(krow, a == 0 ? start : ((start >> shift) + a) << shift);
+    prefetch_block(krow, start, end, shift, R);
+    for (int64_t a = 1; a < kAhead; ++a) prefetch_block(krow, ((start >> shift) + a) << shift, end, shift, R);
     for (int64_t j0 = start; j0 < end;) {
         const T* K = krow(j0);
         const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
-        fetch(krow, ((j0 >> shift) + kAhead) << shift);
-        fetch(vrow, j0);
+        prefetch_block(krow, ((j0 >> shift) + kAhead) << shift, end, shift, R);
+        prefetch_block(vrow, j0, end, shift, R);
         for (int64_t j = j0; j < stop; ++j, K += R) {
             float d[H];
             dots<H>(q, K, n, d);

@@ -24,22 +24,40 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
+class _PlainMapping:
+    """numpy as gguf's reader sees it, but with np.memmap giving a plain ndarray over the same
+    mapping: the reader and transformers slice the file millions of times for a large vocabulary,
+    and each slice of a memmap runs its Python-level __getitem__ and __array_finalize__ (about 60%
+    of a parse). Same bytes, same mapping."""
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(*args, **kwargs) -> np.ndarray:
+        return np.memmap(*args, **kwargs).view(np.ndarray)
+
+
 def hf_from_gguf(path: Path):
     """transformers' own float32 load of a GGUF file: the reference. transformers parses the file's
     metadata twice (for the config, then for the weights), and for a vocabulary of 150k to 260k
-    tokens each parse takes 10-20 s in Python on two cores; one parse serves both here."""
+    tokens each parse takes 10-20 s in Python on two cores; one parse serves both here, over a plain
+    view of the mapping (_PlainMapping)."""
     import gguf
+    import gguf.gguf_reader
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     parse = gguf.GGUFReader
     cached = lru_cache(maxsize=1)(parse)
     gguf.GGUFReader = cached
+    gguf.gguf_reader.np = _PlainMapping()  # type: ignore[assignment]
     try:
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                     dtype=torch.float32).eval()
     finally:
         gguf.GGUFReader = parse
+        gguf.gguf_reader.np = np
         cached.cache_clear()
 
 

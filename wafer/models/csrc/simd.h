@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
@@ -579,8 +580,15 @@ inline F operator+(F x, F y) { F r; WAFER_EACH(x.v[i] + y.v[i]); }
 inline F operator-(F x, F y) { F r; WAFER_EACH(x.v[i] - y.v[i]); }
 inline F operator*(F x, F y) { F r; WAFER_EACH(x.v[i] * y.v[i]); }
 inline F operator/(F x, F y) { F r; WAFER_EACH(x.v[i] / y.v[i]); }
+// std::fma is a library call per lane where the target has no fused multiply-add (x86-64's
+// baseline): a multiply and an add there, which the compiler vectorises.
+#if defined(__FP_FAST_FMAF)
 inline F fma(F x, F y, F z) { F r; WAFER_EACH(std::fma(x.v[i], y.v[i], z.v[i])); }
 inline F fnma(F x, F y, F z) { F r; WAFER_EACH(std::fma(-x.v[i], y.v[i], z.v[i])); }
+#else
+inline F fma(F x, F y, F z) { F r; WAFER_EACH(x.v[i] * y.v[i] + z.v[i]); }
+inline F fnma(F x, F y, F z) { F r; WAFER_EACH(z.v[i] - x.v[i] * y.v[i]); }
+#endif
 inline F max(F x, F y) { F r; WAFER_EACH(x.v[i] > y.v[i] ? x.v[i] : y.v[i]); }
 inline F min(F x, F y) { F r; WAFER_EACH(x.v[i] < y.v[i] ? x.v[i] : y.v[i]); }
 inline F abs(F x) { F r; WAFER_EACH(std::fabs(x.v[i])); }
@@ -609,16 +617,32 @@ inline W low_nibbles(W x) { for (auto& b : x.v) b &= 0x0F; return x; }
 inline W high_nibbles(W x) { for (auto& b : x.v) b >>= 4; return x; }
 #undef WAFER_EACH
 
+// Byte i of a record word is channel i / 4's weight for input 4 j + i % 4: the products go to 64
+// lanes in the words' own order (contiguous, so the compiler vectorises them with what the target
+// has), and each channel's four lanes are added once a block.
+template <typename Lane>
+inline void dot_lanes(const W& w, int32_t xq, Lane* lanes) {
+    int32_t words[16];
+    for (int i = 0; i < 16; ++i) words[i] = xq;  // the four input bytes in every word
+    int8_t x[64];
+    std::memcpy(x, words, 64);
+    for (int i = 0; i < 64; ++i) lanes[i] = static_cast<Lane>(lanes[i] + w.v[i] * x[i]);
+}
+template <typename Lane>
+inline I sum_lanes(const Lane* lanes) {
+    I r;
+    for (int c = 0; c < 16; ++c) r.v[c] = lanes[4 * c] + lanes[4 * c + 1] + lanes[4 * c + 2] + lanes[4 * c + 3];
+    return r;
+}
+
 template <int CODE_BITS>
 inline I dot_block(const W* w, const int32_t* xq, int32_t /*xsum*/) {
-    I r = iset1(0);
-    for (int j = 0; j < 8; ++j) {
-        int8_t x[4];
-        std::memcpy(x, &xq[j], 4);
-        for (int c = 0; c < 16; ++c)
-            for (int t = 0; t < 4; ++t) r.v[c] += static_cast<int32_t>(w[j].v[4 * c + t]) * x[t];
-    }
-    return r;
+    // Codes of 5 bits or fewer: 8 products of at most 31 x 128 each fit 16-bit lanes, twice as many
+    // a vector as 32-bit ones.
+    using Lane = std::conditional_t<(CODE_BITS <= 5), int16_t, int32_t>;
+    Lane lanes[64] = {};
+    for (int j = 0; j < 8; ++j) dot_lanes(w[j], xq[j], lanes);
+    return sum_lanes(lanes);
 }
 
 template <int S, int MASK>
@@ -633,16 +657,12 @@ inline W top_bits(W lo, W hi) {
 }
 inline I scales16(const int8_t* p) { I r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
 inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
-    I r = iset1(0);
-    for (int j = 0; j < 8; ++j) {
-        int8_t x[4];
-        std::memcpy(x, &xq[j], 4);
-        for (int c = 0; c < 16; ++c) {
-            int32_t part = 0;
-            for (int t = 0; t < 4; ++t) part += static_cast<int32_t>(w[j].v[4 * c + t]) * x[t];
-            r.v[c] += part * (j < 4 ? s0.v[c] : s1.v[c]);
-        }
-    }
+    int32_t first[64] = {}, second[64] = {};  // the inputs under each half's scales
+    for (int j = 0; j < 4; ++j) dot_lanes(w[j], xq[j], first);
+    for (int j = 4; j < 8; ++j) dot_lanes(w[j], xq[j], second);
+    const I a = sum_lanes(first), b = sum_lanes(second);
+    I r;
+    for (int c = 0; c < 16; ++c) r.v[c] = a.v[c] * s0.v[c] + b.v[c] * s1.v[c];
     return r;
 }
 

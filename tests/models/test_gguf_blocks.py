@@ -12,7 +12,18 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from wafer.models import blockquant as bq
-from wafer.models.gguf_blocks import K4, K6, GGUFEmbedding, bits_for, format_for, pack_records, record_inputs, record_parts
+from wafer.models.gguf_blocks import (
+    AS_FLOAT,
+    K4,
+    K6,
+    GGUFEmbedding,
+    bits_for,
+    dequantize_f32,
+    format_for,
+    pack_records,
+    record_inputs,
+    record_parts,
+)
 
 K = 512  # two K-quant blocks, sixteen 32-blocks per row
 ROWS = 48
@@ -41,6 +52,16 @@ def reference(raw: torch.Tensor, qtype: T) -> torch.Tensor:
 def values(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     n = codes.shape[0]
     return (codes.float().view(n, -1, 32) * d.float()[..., None] + m.float()[..., None]).view(n, -1)
+
+
+@pytest.mark.parametrize("qtype", AS_FLOAT)
+def test_float32_dequantisation_is_bitwise_gguf_pys(qtype):
+    """The f32 path's own dequantisation against gguf-py's, bit for bit, over more rows than one
+    chunk, with random codes and scale bytes."""
+    raw = random_blocks(qtype, rows=300)
+    ours = dequantize_f32(raw, qtype)
+    assert ours.dtype == torch.float32 and ours.shape == (300, K)
+    assert torch.equal(ours.view(torch.int32), reference(raw, qtype).view(torch.int32))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])

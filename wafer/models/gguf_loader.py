@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 
 from wafer.errors import ModelLoadError
 from wafer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from wafer.models.gguf_blocks import AS_FLOAT, dequantize_f32
 from wafer.models.gguf_reader import GGUFHeader, TensorInfo
 
 _LAYER_NAMES = {
@@ -183,16 +184,20 @@ class GGUFFile:
         if gname is None:
             return None
         t = self.tensors[gname]
+        raw = self._bytes(t)
+        if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.config.num_heads if "attn_q" in gname else self.config.num_kv_heads
+            raw = unpermute_rope(raw, heads)  # rows are whole in each block type: they move as bytes
+        return raw, t.tensor_type, int(t.shape[0])
+
+    def _bytes(self, t: TensorInfo) -> torch.Tensor:
+        """A tensor's bytes [rows, row bytes], viewed in place in a mapping of the file."""
         if self._map is None:
             with open(self.path, "rb") as fh:  # a private mapping: writable views, nothing written back
                 self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
         raw = torch.frombuffer(self._map, dtype=torch.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
-        raw = raw.view(rows, -1)
-        if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = self.config.num_heads if "attn_q" in gname else self.config.num_kv_heads
-            raw = unpermute_rope(raw, heads)  # rows are whole in each block type: they move as bytes
-        return raw, t.tensor_type, int(t.shape[0])
+        return raw.view(rows, -1)
 
     def release(self, name: str) -> None:
         """Drop a tensor's pages of the file from this process's memory once they are converted
@@ -214,12 +219,16 @@ class GGUFFile:
         if gname is None:
             return None
         t = self.tensors[gname]
-        try:
-            arr = dequantize(self.header.data(t), t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(f"{self.path}: tensor {gname} has unsupported type {t.tensor_type.name}") from e
-        # a copy (F32 tensors are read-only views of the file), in the tensor's shape
-        w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape))))
+        shape = tuple(reversed(t.shape))
+        if t.tensor_type in AS_FLOAT:
+            w = dequantize_f32(self._bytes(t), t.tensor_type).reshape(shape)
+        else:
+            try:
+                arr = dequantize(self.header.data(t), t.tensor_type)
+            except NotImplementedError as e:
+                raise ModelLoadError(f"{self.path}: tensor {gname} has unsupported type {t.tensor_type.name}") from e
+            # a copy (F32 tensors are read-only views of the file), in the tensor's shape
+            w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
         if self.arch == "llama" and (gname.endswith("attn_q.weight") or gname.endswith("attn_q.bias")):
             w = unpermute_rope(w, self.config.num_heads)
         elif self.arch == "llama" and (gname.endswith("attn_k.weight") or gname.endswith("attn_k.bias")):

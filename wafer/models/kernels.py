@@ -8,7 +8,7 @@ variant that this CPU runs chosen at run time.
 | avx2 | every x86-64 CPU of the last ten years (Haswell, Zen 1-3) | VPMADDUBSW + VPMADDWD |
 | neon-i8mm | ARMv8.6 (Graviton 3 and 4, Apple M2 and later) | USDOT |
 | neon-dotprod | ARMv8.2 with dot products (Graviton 2, Ampere Altra, Apple M1) | SDOT |
-| portable | anything with a C++17 compiler | plain loops |
+| portable | anything with a C++17 compiler | loops the compiler vectorises for its target |
 
 The variants are built when the project is set up (`python -m wafer.models.kernels`, which `make`
 runs: it builds each variant this CPU can run and fails with the compiler's message), and cached

@@ -51,8 +51,12 @@ $(ARM_STAMP): $(STAMP)
 	  || echo "warning: no aarch64 cross compiler or qemu-user; the NEON kernel tests will be skipped"; fi
 	touch $(ARM_STAMP)
 
+# Two pytest processes, each given half of the cores (tests/conftest.py): alone, the suite kept 2 cores
+# only 60% busy, its server tests waiting on sockets, subprocesses and timers. Each test file runs whole
+# in one process (loadscope), so that its module fixtures (models, servers) are built once.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(CHROMIUM_STAMP) $(ARM_STAMP) $(BWRAP_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # llama-cpp-python is the baseline of the benches, built from source for this machine (about 5 minutes
 # a build on 2 cores): one build with every instruction set the CPU has, one for AVX2 only

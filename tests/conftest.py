@@ -1,12 +1,29 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# The engine owns both cores; tests run in one process, one model at a time.
-torch.set_num_threads(2)
+# Under `make test`'s pytest workers (pytest-xdist), each gets an equal share of the cores, and so do
+# the processes its tests start (servers, CLI runs, torchrun nodes): more compute threads than cores
+# leave OpenMP's threads spinning at barriers for a thread that waits for a core.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SHARE = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+torch.set_num_threads(_SHARE)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "heavy: a long module (large models, compiles); run first")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long modules first, so that the workers, which take whole modules in this order, finish
+    together rather than one waiting while the other runs a long module last."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: the rest in order
 
 
 @pytest.fixture(scope="session")

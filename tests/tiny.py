@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,7 +23,8 @@ def hf_tokenizer():
     from transformers import AutoTokenizer
 
     p = default_model_path()
-    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    with _plain_mapping():
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
 class _PlainMapping:
@@ -38,26 +41,43 @@ class _PlainMapping:
         return np.memmap(*args, **kwargs).view(np.ndarray)
 
 
+@contextmanager
+def _plain_mapping() -> Iterator[None]:
+    """gguf's reader, while inside, maps files as plain ndarrays (_PlainMapping)."""
+    import gguf.gguf_reader
+
+    gguf.gguf_reader.np = _PlainMapping()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gguf.gguf_reader.np = np
+
+
+def gguf_reader(path: Path | str) -> GGUFReader:
+    """gguf's own reader of a file, parsed over a plain view of its mapping: the same fields and
+    tensors, in a third of the time for a large vocabulary."""
+    with _plain_mapping():
+        return GGUFReader(str(path))
+
+
 def hf_from_gguf(path: Path):
     """transformers' own float32 load of a GGUF file: the reference. transformers parses the file's
     metadata twice (for the config, then for the weights), and for a vocabulary of 150k to 260k
     tokens each parse takes 10-20 s in Python on two cores; one parse serves both here, over a plain
     view of the mapping (_PlainMapping)."""
     import gguf
-    import gguf.gguf_reader
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     parse = gguf.GGUFReader
     cached = lru_cache(maxsize=1)(parse)
     gguf.GGUFReader = cached
-    gguf.gguf_reader.np = _PlainMapping()  # type: ignore[assignment]
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
+        with _plain_mapping():
+            return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                        dtype=torch.float32).eval()
     finally:
         gguf.GGUFReader = parse
-        gguf.gguf_reader.np = np
         cached.cache_clear()
 
 
@@ -120,7 +140,7 @@ def _quantised(arr: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Gene
 
 @lru_cache(maxsize=1)
 def _smollm_tokenizer_fields() -> dict:
-    f = GGUFReader(str(default_model_path())).fields
+    f = gguf_reader(default_model_path()).fields
     keys = ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
             "tokenizer.ggml.merges", "tokenizer.chat_template"]
     return {k: f[k].contents() for k in keys}

@@ -122,7 +122,8 @@ def test_each_agent_is_timed_to_its_own_end(scripted):
     r = client.responses.create(model=MODEL, input="Two?", extra_body={"multi_agent": {
         "enabled": True, "max_concurrent_subagents": 2}})
     per = r.model_extra["accounting"]["agents"]
-    assert per["agent_1"]["seconds"] < 0.5 <= 0.8 <= per["agent_2"]["seconds"], per
+    # 0.75, not 0.8: asyncio may end a sleep a clock tick early, and the seconds are rounded to 0.1 ms
+    assert per["agent_1"]["seconds"] < 0.5 < 0.75 <= per["agent_2"]["seconds"], per
     script.policy = None
 
 

@@ -20,6 +20,8 @@ from wafer.engine.speculative import SpeculativeConfig
 from wafer.models.loader import load_model
 from wafer.models.stage import split_layers
 
+pytestmark = pytest.mark.heavy
+
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):

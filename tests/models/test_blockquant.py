@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tests.tiny import gguf_reader
 from wafer.models import blockquant as bq
 from wafer.models.kernels import load, runnable
 from wafer.models.loader import default_model_path
@@ -20,7 +21,7 @@ VARIANTS = [v.name for v in runnable()]
 
 @pytest.fixture(scope="module")
 def gguf_tensors():
-    reader = GGUFReader(str(default_model_path()))
+    reader = gguf_reader(default_model_path())
     return {t.name: t for t in reader.tensors}
 
 

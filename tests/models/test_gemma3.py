@@ -30,6 +30,8 @@ from wafer.models.gguf_blocks import K4, K6
 from wafer.models.loader import LoadedModel, load_model
 from wafer.models.quant import BlockLinear
 
+pytestmark = pytest.mark.heavy
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colours are"]
 LONG_TOKENS = 900  # past the 512-token window

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from tests.tiny import Q, hf_from_gguf, hf_to_gguf, make_hf_model
+from tests.tiny import Q, gguf_reader, hf_from_gguf, hf_to_gguf, make_hf_model
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams
 from wafer.models.gguf_loader import permute_rope, unpermute_rope
@@ -64,7 +63,7 @@ def test_quantised_weights_load_as_the_file_says(tiny_gguf, qtype):
     path = tiny_gguf(qtype)
     loaded = load_model(str(path))
     assert loaded.config.quantization == qtype.name
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     t = {x.name: x for x in reader.tensors}
 
     def deq(name: str) -> torch.Tensor:

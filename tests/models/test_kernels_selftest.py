@@ -16,6 +16,8 @@ import pytest
 
 from wafer.models import kernels
 
+pytestmark = pytest.mark.heavy
+
 SELFTEST = kernels.SOURCE.parent / "selftest.cpp"
 NATIVE = [v for v in kernels.VARIANTS if kernels.runs_here(v)]  # the x86 (or ARM) ones this CPU runs, and portable
 NEON = [v for v in kernels.VARIANTS if v.arch == "aarch64"]

@@ -10,6 +10,8 @@ from bench.quality import corpus_ids, perplexity
 from wafer.models import kernels
 from wafer.models.loader import load_model
 
+pytestmark = pytest.mark.heavy
+
 TOKENS = 1024
 WINDOW = 512
 

@@ -24,6 +24,8 @@ from wafer.engine.sequence import SamplingParams
 from wafer.models import catalog
 from wafer.models.loader import load_model
 
+pytestmark = pytest.mark.heavy
+
 PROMPTS = ["Write a Python function that reverses a singly linked list.",
            "Explain what `git rebase -i HEAD~3` does, briefly."]
 NEW_TOKENS = 24

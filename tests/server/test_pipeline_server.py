@@ -18,6 +18,8 @@ import pytest
 
 from tests.serving import MODEL, free_port, wait_healthy
 
+pytestmark = pytest.mark.heavy
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

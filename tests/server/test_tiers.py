@@ -16,6 +16,8 @@ from wafer.models import catalog
 from wafer.router.config import ConfigError, catalog_config
 from wafer.server.main import fit_memory
 
+pytestmark = pytest.mark.heavy
+
 ALL_INSTALLED = all(catalog.installed_path(m) for m in catalog.CATALOG)
 
 

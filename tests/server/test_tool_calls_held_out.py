@@ -14,6 +14,8 @@ from tests.server.test_tools import collect_stream
 from wafer.engine.compute_threads import release_compute_threads
 from wafer.server.tools import CallParser, parse_reply, tool_grammar
 
+pytestmark = pytest.mark.heavy
+
 # Schemas unlike the ones the grammar was tuned on: open objects (no additionalProperties), free
 # strings with no maxLength, nesting, optional keys, pydantic-style $defs.
 HELD_OUT = [

@@ -16,10 +16,6 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "heavy: a long module (large models, compiles); run first")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Long modules first, so that the workers, which take whole modules in this order, finish
     together rather than one waiting while the other runs a long module last."""

@@ -38,6 +38,7 @@ def _libgomp() -> bool:
 
 
 needs_pool = pytest.mark.skipif(not _libgomp(), reason="needs PyTorch on libgomp (Linux)")
+needs_idle = pytest.mark.skipif(not can_leave_idle(), reason="this process may not leave SCHED_IDLE")
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +49,6 @@ def two_compute_threads():
     torch.set_num_threads(max(2, before))
     yield
     torch.set_num_threads(before)
-needs_idle = pytest.mark.skipif(not can_leave_idle(), reason="this process may not leave SCHED_IDLE")
 
 
 @needs_pool

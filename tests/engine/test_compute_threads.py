@@ -88,8 +88,11 @@ def test_idle_and_busy_set_the_workers_policy():
         workers.idle()
         assert {os.sched_getscheduler(t) for t in workers.ids} == {os.SCHED_IDLE}
         torch.randn(4096, 1024).exp()  # still computes
-    finally:
         workers.busy()
+        assert {os.sched_getscheduler(t) for t in workers.ids} == {os.SCHED_OTHER}
+        workers.idle()
+    finally:
+        workers.close()
     assert {os.sched_getscheduler(t) for t in workers.ids} == {os.SCHED_OTHER}
 
 
@@ -185,3 +188,90 @@ def test_side_work_beside_a_step_that_left_it_a_core_starts_at_once():
     with side.running(wait=30):
         assert side.active == 1
     side.step_ends()
+
+
+needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two CPUs or more")
+
+
+@needs_pool
+@needs_two_cpus
+def test_workers_are_bound_to_cores_of_their_own_and_the_stepping_thread_to_another_while_it_steps():
+    mine = os.sched_getaffinity(0)
+    n = torch.get_num_threads()
+    workers = ComputeThreads(n)
+    try:
+        assert workers.cpu in mine
+        placed = [os.sched_getaffinity(t) for t in worker_ids(n)]
+        assert all(len(p) == 1 for p in placed)
+        assert len(set().union(*placed) | {workers.cpu}) == n  # no two threads of the step on one CPU
+        workers.busy()
+        assert os.sched_getaffinity(0) == {workers.cpu}
+        torch.randn(4096, 1024).exp()  # computes so placed
+        workers.idle()
+        assert os.sched_getaffinity(0) == mine  # between steps: anywhere (what it starts inherits this)
+    finally:
+        workers.close()
+    assert os.sched_getaffinity(0) == mine
+    assert all(os.sched_getaffinity(t) == mine for t in worker_ids(n))
+
+
+@needs_pool
+def test_nothing_is_bound_when_asked_not_to_or_with_one_thread():
+    mine = os.sched_getaffinity(0)
+    for workers in (ComputeThreads(torch.get_num_threads(), bind=False), ComputeThreads(1)):
+        workers.busy()
+        assert workers.cpu is None and os.sched_getaffinity(0) == mine
+        workers.close()
+
+
+@needs_pool
+@needs_two_cpus
+def test_run_engines_steps_on_its_core_and_side_work_runs_on_the_others(tiny_dir, monkeypatch):
+    mine = os.sched_getaffinity(0)
+    engine = AsyncEngine(LLMEngine(load_model(str(tiny_dir)), EngineConfig(max_running=2, max_model_len=128)))
+    during: list[set[int]] = []
+    step = engine.engine.step
+
+    def placed_step() -> list[SequenceOutput]:
+        during.append(os.sched_getaffinity(0))
+        return step()
+
+    engine.engine.step = placed_step  # type: ignore[method-assign]
+    beside: list[set[int]] = []
+
+    def side_job() -> None:
+        with SIDE_WORK.running():
+            beside.append(os.sched_getaffinity(0))
+        beside.append(os.sched_getaffinity(0))
+
+    async def main() -> set[int]:
+        task = asyncio.ensure_future(run_engines([engine]))
+        req = engine.submit([1, 5, 9], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while not (await req.queue.get()).finished:
+            pass
+        between = os.sched_getaffinity(0)
+        await asyncio.to_thread(side_job)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return between
+
+    between = asyncio.run(main())
+    assert during and len({frozenset(p) for p in during}) == 1 and len(during[0]) == 1
+    (cpu,) = during[0]
+    assert between == mine
+    assert beside == [mine - {cpu}, mine]  # kept off the stepping core while it works, then as it was
+    assert os.sched_getaffinity(0) == mine and SIDE_WORK.stepping_cpu is None
+
+    monkeypatch.setenv("WAFER_BIND_THREADS", "0")
+    during.clear()
+
+    async def unbound() -> None:
+        task = asyncio.ensure_future(run_engines([engine]))
+        req = engine.submit([1, 5, 9], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while not (await req.queue.get()).finished:
+            pass
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(unbound())
+    assert during and all(p == mine for p in during)

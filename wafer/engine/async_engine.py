@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wafer.engine import defaults
-from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads
+from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads, binding_wanted
 from wafer.engine.constraints import GrammarMatcher
 from wafer.engine.engine import EngineSnapshot, LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
@@ -267,10 +267,12 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
     for e in engines:
         e._wake = wake
     # This thread's compute workers: idle between steps, so that what the HTTP work wakes (a client
-    # on this machine) takes their core rather than this thread's (see compute_threads.py).
+    # on this machine) takes their core rather than this thread's, and each on a core of its own
+    # (see compute_threads.py).
     full = torch.get_num_threads()
     threads = full
-    workers = ComputeThreads(full)
+    workers = ComputeThreads(full, bind=binding_wanted())
+    SIDE_WORK.stepping_cpu = workers.cpu
     try:
         while True:
             busy = False
@@ -291,7 +293,8 @@ async def run_engines(engines: list[AsyncEngine]) -> None:
                 await wake.wait()
                 wake.clear()
     finally:
-        workers.busy()
+        SIDE_WORK.stepping_cpu = None
+        workers.close()
         if threads != full:
             torch.set_num_threads(full)
         for e in engines:

@@ -12,6 +12,15 @@ threads counts as idle when the kernel places a woken task, and any other task p
 once, so the client runs on the spinning worker's core while the server goes on. `busy()` gives
 them back the normal policy before the next step. Leaving SCHED_IDLE needs CAP_SYS_NICE or an
 RLIMIT_NICE that allows nice 0; where the process has neither, the workers are left as they are.
+
+It also keeps the step's threads on cores of their own. Left to place them, the kernel put the
+stepping thread and its worker on one core whenever the other was busy (a client, a request being
+prepared): each then spun at every barrier for the other's time slice, and a 2-token step that
+takes 5 ms took 100 to 340 ms (measured under bench/fuzz.py: both threads ran ~170 ms and waited
+~170 ms on one run queue). So each worker is bound to a core, and the stepping thread to another
+while a step computes (only then: threads and processes it starts between steps, a sandbox, a
+pipeline stage, inherit the whole set), with side work kept off the stepping thread's core, as
+vLLM's CPU backend binds its OpenMP threads. `WAFER_BIND_THREADS=0` leaves placement to the kernel.
 """
 
 from __future__ import annotations
@@ -78,6 +87,27 @@ def worker_ids(threads: int) -> list[int]:
     return sorted(seen)
 
 
+def _one_per_core(cpus: set[int]) -> list[int]:
+    """The CPUs, one of each physical core first, then their SMT siblings: compute threads bound
+    in this order share no core while there are cores enough."""
+    first: list[int] = []
+    siblings: list[int] = []
+    seen: set[tuple[str, str]] = set()
+    for cpu in sorted(cpus):
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            core = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+        except OSError:
+            core = ("", str(cpu))
+        (siblings if core in seen else first).append(cpu)
+        seen.add(core)
+    return first + siblings
+
+
+def binding_wanted() -> bool:
+    return os.environ.get("WAFER_BIND_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 @cache
 def can_leave_idle() -> bool:
     """Whether a thread of this process may go back from SCHED_IDLE to the normal policy (tried on
@@ -101,13 +131,29 @@ def can_leave_idle() -> bool:
 
 
 class ComputeThreads:
-    """The calling thread's OpenMP workers, to be set idle between steps and busy for them. Made on
-    the thread that steps the engines; does nothing where the workers cannot be found or could not
-    be given their policy back."""
+    """The calling thread's OpenMP workers, to be set idle between steps and busy for them, and the
+    cores the step computes on. Made on the thread that steps the engines; leaves the policy alone
+    where the workers cannot be found or could not be given it back, and binds nothing where the
+    process has fewer CPUs than compute threads, one thread, or `bind` off."""
 
-    def __init__(self, threads: int) -> None:
-        self.ids = worker_ids(threads) if can_leave_idle() else []
+    def __init__(self, threads: int, bind: bool = True) -> None:
+        workers = worker_ids(threads)
+        self.ids = workers if can_leave_idle() else []
         self._idle = False
+        self.cpu: int | None = None  # the stepping thread's core while it steps; None: not bound
+        self._cpus: set[int] = set()
+        self._workers: list[int] = []
+        if bind and threads >= 2 and len(workers) == threads - 1 and hasattr(os, "sched_setaffinity"):
+            self._cpus = os.sched_getaffinity(0)
+            order = _one_per_core(self._cpus)
+            if len(order) >= threads:
+                try:
+                    for tid, cpu in zip(workers, order[1:]):
+                        os.sched_setaffinity(tid, {cpu})
+                    self.cpu = order[0]
+                    self._workers = workers
+                except OSError:  # not ours to place (a seccomp or cgroup rule): the kernel places them
+                    self.cpu = None
 
     def _set(self, policy: int) -> None:
         alive = []
@@ -123,11 +169,26 @@ class ComputeThreads:
         if self.ids and not self._idle:
             self._set(os.SCHED_IDLE)
             self._idle = True
+        if self.cpu is not None:
+            os.sched_setaffinity(0, self._cpus)
 
     def busy(self) -> None:
         if self.ids and self._idle:
             self._set(os.SCHED_OTHER)
             self._idle = False
+        if self.cpu is not None:
+            os.sched_setaffinity(0, {self.cpu})
+
+    def close(self) -> None:
+        """The threads as they were: the normal policy, and every CPU of the process's."""
+        self.busy()
+        if self.cpu is not None:
+            for tid in [0, *self._workers]:  # 0: this thread
+                try:
+                    os.sched_setaffinity(tid, self._cpus)
+                except OSError:  # a worker gone
+                    pass
+            self.cpu = None
 
 
 class SideWork:
@@ -139,13 +200,15 @@ class SideWork:
     the fuzz run's preparations a 16-token prefill that takes about 15 ms took 200 to 600 ms, and
     held every stream that long. So while side work runs, a step leaves it a core (`step_begins`),
     and a job that arrives during a step that uses its core starts when that step ends (a step
-    lasts about --prefill-step-ms; the job waits at most `wait` seconds)."""
+    lasts about --prefill-step-ms; the job waits at most `wait` seconds). Where the stepping thread
+    is bound to a core (ComputeThreads), jobs run on the others."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._active = 0
         self._full = 0  # the stepping thread's compute threads in all
         self._stepping = 0  # compute threads of the step in flight; 0: none
+        self.stepping_cpu: int | None = None  # the core the stepping thread is bound to, if it is
 
     def _threads_for(self, full: int) -> int:
         return max(1, full - self._active)
@@ -155,9 +218,15 @@ class SideWork:
         with self._cond:
             self._active += 1
             self._cond.wait_for(lambda: self._stepping <= self._threads_for(self._full), wait)
+        cpu = self.stepping_cpu
+        mask = os.sched_getaffinity(0) if cpu is not None else set()
+        if mask - {cpu}:
+            os.sched_setaffinity(0, mask - {cpu})
         try:
             yield
         finally:
+            if mask - {cpu}:
+                os.sched_setaffinity(0, mask)
             with self._cond:
                 self._active -= 1
 

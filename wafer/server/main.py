@@ -80,22 +80,35 @@ def build_served(loaded: LoadedModel, names: list[str], max_running: int = defau
     )
 
 
-class FrozenHeap:
-    """What start-up made (torch, the models, the tokenizers: about 250,000 objects) lives as long as
-    the server. Frozen out of the collector's sight (gc.freeze), it is no longer scanned by every
-    full collection, which runs on whatever thread allocates and holds the GIL meanwhile: about
-    115 ms of every stream's time on a 2-core machine. vLLM freezes its heap after start-up too.
-    Frozen while any server of this process runs; a process that goes on (a test's) collects it
-    again after the last one stops."""
+class ServingProcess:
+    """Two settings of the Python process, made while any server of it runs and undone when the
+    last one stops (a process that goes on, a test's, gets its own back):
+
+    - What start-up made (torch, the models, the tokenizers: about 250,000 objects) lives as long as
+      the server. Frozen out of the collector's sight (gc.freeze), it is no longer scanned by every
+      full collection, which runs on whatever thread allocates and holds the GIL meanwhile: about
+      115 ms of every stream's time on a 2-core machine. vLLM freezes its heap after start-up too.
+    - The GIL changes hands after 0.5 ms instead of Python's 5. While a request is prepared in
+      another thread (a schema, a long prompt: Python work that keeps the GIL), the stepping thread
+      gives it up at each PyTorch call of its step and then waits out the interval to get it back:
+      under bench/fuzz.py at 16 requests at a time a step's Python part took 60 to 150 ms so, and the
+      longest loop stall was 152 to 243 ms against 82 to 112 ms with the shorter interval (three runs
+      of each)."""
+
+    SWITCH_INTERVAL = 0.0005
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.servers = 0
+        self._interval = sys.getswitchinterval()
 
     def enter(self) -> None:
         with self._lock:
             gc.collect()
             gc.freeze()
+            if self.servers == 0:
+                self._interval = sys.getswitchinterval()
+                sys.setswitchinterval(self.SWITCH_INTERVAL)
             self.servers += 1
 
     def exit(self) -> None:
@@ -103,9 +116,10 @@ class FrozenHeap:
             self.servers -= 1
             if self.servers == 0:
                 gc.unfreeze()
+                sys.setswitchinterval(self._interval)
 
 
-FROZEN = FrozenHeap()  # one per process, as the collector is
+SERVING = ServingProcess()  # one per process, as the collector and the GIL are
 
 
 class EngineServer(uvicorn.Server):
@@ -119,7 +133,7 @@ class EngineServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def,override]
         self.loop = asyncio.get_running_loop()
-        FROZEN.enter()
+        SERVING.enter()
         stepping = self.loop.create_task(run_engines([m.engine for m in self.served]))
         stepping.add_done_callback(self._stepping_ended)
         try:
@@ -127,7 +141,7 @@ class EngineServer(uvicorn.Server):
         finally:
             stepping.cancel()
             await asyncio.gather(stepping, return_exceptions=True)  # a death was logged when it happened
-            FROZEN.exit()
+            SERVING.exit()
 
     def _stepping_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:

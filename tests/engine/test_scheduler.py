@@ -26,7 +26,7 @@ def test_a_long_prompt_is_read_in_steps_of_bounded_time(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
     # as if learned: 20 prompt tokens fit in the step's 20 ms on this machine's compute threads
-    engine._core_seconds_per_token = 0.001 * torch.get_num_threads()
+    engine.step_cost.observe(1, 0, 0.001 * torch.get_num_threads())
     engine._time_prefill = lambda scheduled, seconds: None  # and kept, whatever this machine's cost
     counts = _prompt_tokens_per_step(engine, long_prompt)
     assert max(counts[:-1]) <= 20 and max(counts) <= 20, counts
@@ -41,7 +41,7 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
     request) for as long as it runs."""
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
-    engine._core_seconds_per_token = 0.001 * torch.get_num_threads()
+    engine.step_cost.observe(1, 0, 0.001 * torch.get_num_threads())
     engine._time_prefill = lambda scheduled, seconds: None  # keep the cost as set, whatever this machine's
     seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     counts = []
@@ -52,25 +52,53 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
     assert sum(counts) >= 299 and max(counts) <= 20, counts
 
 
+def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smollm):
+    """Attention makes a token at position p cost more than one at 0: with a cost learned as 1 ms a
+    token plus 1% of that a position, each step's prompt work stays within 20 ms of it (a chunk of
+    at least MIN_CHUNK tokens), so the chunks shrink as the prompt goes on."""
+    from wafer.engine.scheduler import MIN_CHUNK
+    from wafer.engine.step_cost import positions_of
+
+    engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
+                                            prefix_caching=False, prefill_step_seconds=0.02))
+    threads = torch.get_num_threads()
+    for tokens, positions in [(10, 0), (10, 1000), (20, 5000)]:  # a = 1 ms, b = 0.01 ms, per core
+        engine.step_cost.observe(tokens, positions, threads * (0.001 * tokens + 0.00001 * positions))
+    engine._time_prefill = lambda scheduled, seconds: None
+    cap, per_position = engine._prefill_cap()
+    assert cap == 20 and abs(per_position - 0.01) < 1e-9
+    seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    chunks = []
+    while not seq.finished:
+        before = seq.num_cached
+        engine.step()
+        chunks.append((before, seq.num_cached - before))
+    assert sum(n for _, n in chunks) >= 299
+    for start, n in chunks[:-1]:
+        assert n + per_position * positions_of(start, n) <= 20 or n == MIN_CHUNK, chunks
+    assert chunks[0][1] == 18 and chunks[-2][1] == MIN_CHUNK, chunks  # 18 at the start, the least far in
+
+
 def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.05))
-    assert engine._prefill_cap() is None  # nothing measured yet: no cap
+    assert engine._prefill_cap() == (None, 0.0)  # nothing measured yet: no cap
     engine.generate([list(range(100, 300))], SamplingParams(max_tokens=2, temperature=0))
-    assert engine._core_seconds_per_token is not None and 0 < engine._core_seconds_per_token < 0.05
-    assert engine._prefill_cap() >= 16
+    a, b = engine.step_cost.coefficients()
+    assert 0 < a < 0.05 and b >= 0
+    assert engine._prefill_cap()[0] >= 8
 
 
 def test_a_step_on_fewer_compute_threads_takes_a_smaller_chunk(smollm):
     """The cost is learned per core: where the server leaves a core to a request it prepares, a step's
     chunk shrinks with its threads, so that the step still takes about the time allowed."""
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.064))
-    engine._core_seconds_per_token = 0.002
+    engine.step_cost.observe(1, 0, 0.002)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert engine._prefill_cap() == 64
+        assert engine._prefill_cap() == (64, 0.0)
         torch.set_num_threads(1)
-        assert engine._prefill_cap() == 32
+        assert engine._prefill_cap() == (32, 0.0)
     finally:
         torch.set_num_threads(before)
 

@@ -33,6 +33,10 @@ _MAX_COMPLETION_BYTES = 2048
 # 10**6, hundreds of required keys) costs at most about 35 ms and no forcing, not the step's whole
 # time. A step costs 4 to 17 us on a 2-core EPYC; the tool calls of the tests need 300 to 400.
 _SEARCH_FUEL = 2_000
+# And of all the searches of one engine step together: beyond it a sequence's search waits for the
+# next step (and goes first there), so that several constrained sequences near their ends at once (a
+# request's n choices) do not each add their 35 ms to the step. A wait costs a token of WINDOW.
+_STEP_FUEL = 2_000
 _LOOKAHEAD = 4  # characters tried where the grammar allows several and none is forced
 _PRINTABLE = [chr(c) for c in range(0x30, 0x7F)] + [chr(c) for c in range(0x20, 0x30)]
 
@@ -49,6 +53,10 @@ class Constraints:
         self._llt: LLTokenizer | None = None
         self._safe: dict[str, torch.Tensor] | None = None
         self._char_tokens: dict[str, int] | None = None
+        self.step_fuel = _STEP_FUEL  # what the completion searches of this step may still spend
+
+    def new_step(self) -> None:
+        self.step_fuel = _STEP_FUEL
 
     @property
     def llt(self) -> LLTokenizer:
@@ -220,6 +228,7 @@ class GrammarMatcher:
         self._completion: list[int] | None = None
         self._stale = True
         self._fuel = _SEARCH_FUEL
+        self._waited = False  # its search was put off to this step: it goes now, whatever is left
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.inner, name)
@@ -238,9 +247,15 @@ class GrammarMatcher:
 
     def completion(self) -> list[int] | None:
         """The tokens of the shortest way found to finish the grammar from here ([] if it may end
-        here; None if none was found)."""
+        here; None if none was found, or if this step's searches have spent their fuel: then the
+        next step's search is this one's first)."""
         if self._stale:
+            if self.constraints.step_fuel <= 0 and not self._waited:
+                self._waited = True
+                return None
+            self._waited = False
             self._completion, self._stale = self._complete(), False
+            self.constraints.step_fuel -= _SEARCH_FUEL - self._fuel
         return self._completion
 
     def _complete(self) -> list[int] | None:

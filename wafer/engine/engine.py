@@ -22,8 +22,9 @@ from wafer.engine.kv_cache import BLOCK, KV_DTYPES, KVCache, plan_blocks
 from wafer.engine.pipeline import PipelineExecutor, StageError, StageFailure, StageSpec, measured_costs
 from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler, best, token_logprob
-from wafer.engine.scheduler import ScheduledSeq, Scheduler
+from wafer.engine.scheduler import MIN_CHUNK, ScheduledSeq, Scheduler
 from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput, Status, TokenLogprob
+from wafer.engine.step_cost import StepCost, positions_of
 from wafer.engine.speculative import (
     DraftLength,
     DraftModelProposer,
@@ -162,7 +163,7 @@ class LLMEngine:
                      "steps, which stages overlap)", spec.num_tokens)
         self.draft_length = DraftLength(spec.num_tokens) if adaptive and self.pipeline is None else None
         self._step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
-        self._core_seconds_per_token: float | None = None  # of a prompt token in a step (see _time_prefill)
+        self.step_cost = StepCost()  # what a step's tokens cost, learned from its prompt steps (step_cost.py)
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
         spec = self.config.speculative
@@ -371,7 +372,8 @@ class LLMEngine:
     def _schedule(self, busy: frozenset[int] | set[int] = frozenset(), max_seqs: int | None = None
                   ) -> list[ScheduledSeq]:
         """The sequences of this step, with their drafts to verify where speculation is on."""
-        scheduled = self.scheduler.schedule(self._prefill_cap(), busy, max_seqs)
+        cap, per_position = self._prefill_cap()
+        scheduled = self.scheduler.schedule(cap, busy, max_seqs, per_position)
         for seq in self.scheduler.preempted:  # recomputed later from its tokens: the draft's KV goes too
             if self.proposer is not None:
                 self.proposer.release(seq.seq_id)
@@ -400,6 +402,7 @@ class LLMEngine:
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
         if len(scheduled) > 1:
             self.stats.batched_steps += 1
+        self.constraints.new_step()
         plain: list[Sequence] = []
         plain_rows: list[int] = []
         verifying: list[tuple[ScheduledSeq, int]] = []
@@ -436,25 +439,23 @@ class LLMEngine:
         return outputs
 
     # --- how much prompt a step may take ----------------------------------------------------------
-    _MIN_CHUNK = 16  # a prompt always advances by at least this much a step
-
-    def _prefill_cap(self) -> int | None:
-        if self.config.prefill_step_seconds is None or self._core_seconds_per_token is None:
-            return None
-        seconds_per_token = self._core_seconds_per_token / torch.get_num_threads()
-        return max(self._MIN_CHUNK, int(self.config.prefill_step_seconds / seconds_per_token))
+    def _prefill_cap(self) -> tuple[int | None, float]:
+        """The prompt work a step may take, in tokens at position 0, and what a position adds to a
+        token's cost in those (the scheduler's prefill_cap and per_position); no cap before a prompt
+        step has been timed."""
+        fit = self.step_cost.coefficients()
+        if self.config.prefill_step_seconds is None or fit is None:
+            return None, 0.0
+        a, b = fit
+        return max(MIN_CHUNK, int(self.config.prefill_step_seconds * torch.get_num_threads() / a)), b / a
 
     def _time_prefill(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
-        """Learn the cost of a token from steps of some prompt work, as a moving average that
-        follows the machine's load. The step's fixed cost counts in, more so in a short step, so
-        that the cap settles where a whole step, not its prompt work alone, takes the time allowed.
-        Counted in core-seconds: a step on fewer compute threads (the server leaves cores to requests
-        it prepares) takes a smaller chunk, not the same one for longer."""
+        """Learn the cost of a token from steps of some prompt work (step_cost.py)."""
         prompt = sum(max(0, min(item.count, item.seq.num_prompt - item.start)) for item in scheduled)
-        if prompt >= self._MIN_CHUNK:
-            per_token = seconds * torch.get_num_threads() / sum(item.count for item in scheduled)
-            old = self._core_seconds_per_token
-            self._core_seconds_per_token = per_token if old is None else 0.7 * old + 0.3 * per_token
+        if prompt >= MIN_CHUNK:
+            self.step_cost.observe(sum(item.count for item in scheduled),
+                                   sum(positions_of(item.start, item.count) for item in scheduled),
+                                   seconds * torch.get_num_threads())
 
     # --- failures of one sequence -----------------------------------------------------------------
     def _forward(self, scheduled: list[ScheduledSeq], failed: list[SequenceOutput]

@@ -1,17 +1,24 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
 Every running sequence that has finished its prompt decodes one token per step. Prompts are
-prefilled in chunks from a per-step token budget, so a long prompt never stalls the decoders.
+prefilled in chunks from a per-step budget of tokens and of work, so a long prompt never stalls the
+decoders.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from wafer.engine.kv_cache import BLOCK, KVCache
 from wafer.engine.sequence import Sequence, Status
+from wafer.engine.step_cost import positions_of, tokens_within
+
+# A prompt that gets a chunk in a step gets at least this many of its tokens, however far into a
+# long context it is and however little of the step's prompt work is left.
+MIN_CHUNK = 8
 
 
 @dataclass(eq=False)
@@ -77,11 +84,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, prefill_cap: int | None = None, busy: frozenset[int] | set[int] = frozenset(),
-                 max_seqs: int | None = None) -> list[ScheduledSeq]:
+                 max_seqs: int | None = None, per_position: float = 0.0) -> list[ScheduledSeq]:
         """Decoders first (one token each), then prefill chunks while the budget lasts. With
-        `prefill_cap`, prompts get at most that many tokens in a step: the step's length is how long
-        every decoder waits for its next token, and how long the server's loop, which steps the
-        engine, answers no one.
+        `prefill_cap`, prompts get at most that much work in a step, counted in tokens at position 0
+        where a token at position p costs 1 + p * per_position of them (step_cost.py): the step's
+        length is how long every decoder waits for its next token, and how long the server's loop,
+        which steps the engine, answers no one. A prompt that gets a chunk gets at least MIN_CHUNK
+        tokens of it.
 
         Running sequences are served in the order they were admitted. When the cache has no block
         for one of them, the sequence admitted last is preempted: its blocks go back (its full ones
@@ -107,30 +116,38 @@ class Scheduler:
                     budget -= 1
             else:
                 prefilling.append(seq)
-        if prefill_cap is not None:
-            budget = min(budget, prefill_cap)
+        work = float(prefill_cap) if prefill_cap is not None else math.inf
+
+        def within(start: int) -> int:  # prompt tokens from `start` that the work left allows
+            return budget if work == math.inf else max(MIN_CHUNK, tokens_within(work, start, per_position))
+
+        def spend(start: int, n: int) -> None:
+            nonlocal budget, work
+            budget -= n
+            work -= n + per_position * positions_of(start, n)
+
         for seq in prefilling:
-            if budget <= 0:
+            if budget <= 0 or work <= 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue
-            n = self._chunk(seq, budget, out, busy)
+            n = self._chunk(seq, min(budget, within(seq.num_cached)), out, busy)
             if n:
                 self.kv.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
                 out.append(ScheduledSeq(seq, seq.num_cached, n))
-                budget -= n
+                spend(seq.num_cached, n)
         # With steps in flight (pipeline stages) the blocks a step computes are indexed only when it
         # comes back, after the next step is scheduled: waiting for them there would gain nothing.
         wait_for_shared = self.prefix_caching and not busy
         held: list[Sequence] = []  # waiting a step for blocks computed in this one; the rest go on
-        while (self.waiting and budget > 0 and len(out) < room and len(self.running) < self.max_running
-               and self.kv.num_free):
+        while (self.waiting and budget > 0 and work > 0 and len(out) < room
+               and len(self.running) < self.max_running and self.kv.num_free):
             seq = self.waiting[0]
             if wait_for_shared and _computed_beside(seq, out):
                 held.append(self.waiting.popleft())
                 continue
             slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
-            n = min(len(seq.tokens) - reused, budget, self.kv.room(slot, len(seq.tokens)) - reused)
+            n = min(len(seq.tokens) - reused, budget, within(reused), self.kv.room(slot, len(seq.tokens)) - reused)
             if n <= 0:  # not a block free for it: it waits for a sequence to end
                 self.kv.free(slot)
                 break
@@ -143,7 +160,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, seq.num_cached, n))
-            budget -= n
+            spend(reused, n)
         self.waiting.extendleft(reversed(held))  # at the head, in their order
         return out
 

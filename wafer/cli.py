@@ -324,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "that measured steps show to decode fastest; fixed: always K")
     s.add_argument("--no-prefix-caching", action="store_true", help="never reuse the KV of earlier prompts")
     s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
+    s.add_argument("--keep-alive", type=float, default=120.0,
+                   help="seconds an idle connection is kept open (default 120: longer than clients' pools, "
+                        "which then close first)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 

@@ -13,6 +13,7 @@ import time
 import httpx
 
 from tests.serving import MODEL, free_port, wait_healthy
+from wafer.cli import build_parser
 
 
 def start_serve(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
@@ -111,3 +112,26 @@ def test_requests_never_started_get_503_not_an_empty_answer():
     q = results["queued"]
     assert q.status_code == 503 and q.headers["retry-after"] == "5", q.text
     assert q.json()["error"]["code"] == "unavailable"
+
+
+def test_an_idle_connection_is_kept_longer_than_clients_keep_theirs():
+    """uvicorn's own 5 s closed connections that clients' pools (aiohttp 15 s, Go 90 s) still held,
+    and a request sent on one as it closed was lost: `wafer serve` keeps them 120 s by default."""
+    import http.client
+
+    assert build_parser().parse_args(["serve"]).keep_alive == 120.0
+    proc, base, _ = start_serve("--served-model-name", MODEL)
+    try:
+        wait_healthy(base, 120)
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock.getsockname()
+        time.sleep(6)  # past uvicorn's default
+        conn.request("GET", "/health")  # on the same connection: the server has not closed it
+        r = conn.getresponse()
+        assert r.status == 200 and r.read()
+        assert conn.sock.getsockname() == first
+        conn.close()
+    finally:
+        stop(proc)

@@ -24,7 +24,6 @@ from wafer.engine.runner import ModelRunner
 from wafer.engine.sampler import Sampler, best, token_logprob
 from wafer.engine.scheduler import MIN_CHUNK, ScheduledSeq, Scheduler
 from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput, Status, TokenLogprob
-from wafer.engine.step_cost import StepCost, positions_of
 from wafer.engine.speculative import (
     DraftLength,
     DraftModelProposer,
@@ -34,6 +33,7 @@ from wafer.engine.speculative import (
     SpecStats,
     rejection_sample,
 )
+from wafer.engine.step_cost import StepCost, positions_of
 from wafer.models.llama import LlamaModel
 from wafer.models.loader import LoadedModel
 from wafer.models.tokenizer import IncrementalDetokenizer

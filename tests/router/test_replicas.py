@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -133,7 +134,12 @@ def replicas(smollm, tiny_dir, tmp_path_factory):
                          start_new_session=True)
     b_served = build_served(smollm, [MODEL], max_running=8, max_model_len=2048)
     b = serve_app(SlowDown(create_app(b_served)), b_served)
-    urls = {"a": f"http://127.0.0.1:{port_a}/v1", "b": b.base_url + "/v1", "c": f"http://127.0.0.1:{free_port()}/v1"}
+    # Bound and never listening: connections to it are refused, and no server another test process
+    # starts meanwhile can take its port (a free port merely looked up was taken by one, once).
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    urls = {"a": f"http://127.0.0.1:{port_a}/v1", "b": b.base_url + "/v1",
+            "c": f"http://127.0.0.1:{dead.getsockname()[1]}/v1"}
     replicas_toml = ", ".join(f'"{u}"' for u in urls.values())
     toml = tmp_path_factory.mktemp("replicas") / "wafer.toml"
     toml.write_text(f"""
@@ -164,6 +170,7 @@ cooldown = 60
     finally:
         front.stop()
         b.stop()
+        dead.close()
         if a.poll() is None:
             os.killpg(a.pid, signal.SIGKILL)
         a.wait(30)

@@ -220,12 +220,13 @@ class SideWork:
             self._cond.wait_for(lambda: self._stepping <= self._threads_for(self._full), wait)
         cpu = self.stepping_cpu
         mask = os.sched_getaffinity(0) if cpu is not None else set()
-        if mask - {cpu}:
-            os.sched_setaffinity(0, mask - {cpu})
+        others = mask - {cpu}
+        if others:
+            os.sched_setaffinity(0, others)
         try:
             yield
         finally:
-            if mask - {cpu}:
+            if others:
                 os.sched_setaffinity(0, mask)
             with self._cond:
                 self._active -= 1

@@ -132,3 +132,46 @@ def test_low_precision_kv_in_the_fused_step_matches_python(tmp_path, arch, kw, v
     exact = decode_logits(loaded, prompts, 12, variant)
     scale = steps[-1][1].abs().max()
     assert max((f - e).abs().max() for (f, _), (e, _) in zip(steps, exact)) > 1e-4 * scale
+
+
+@pytest.fixture(scope="module")
+def six_heads_a_kv_head(tmp_path_factory):
+    """Tiny models of head size 64 with 6 query heads a KV head (more than one pass of the step's 4),
+    one of them with a sliding window of 300 positions."""
+    from tests.tiny import make_hf_model
+
+    kw = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=2048)
+    return {arch: load_model(str(make_hf_model(tmp_path_factory.mktemp(arch), arch, seed=4, **extra, **kw)), compute="q4")
+            for arch, extra in (("llama", {}), ("mistral", {"sliding_window": 300}))}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_token_gets_the_same_logits_in_a_run_of_its_sequence_as_alone(six_heads_a_kv_head, arch, variant, kv_dtype):
+    """A prompt chunk or a draft to verify is a run of one sequence's consecutive tokens, all of
+    whose keys are written before any attends. Each token's arithmetic stays its own: every row's
+    logits are bitwise those of its token computed alone, beside another sequence or not, at short
+    and long contexts, with the window cutting into the run's context or not. (What speculation's
+    identical output and chunked prefill's identical KV rest on.)"""
+    from wafer.engine.scheduler import ScheduledSeq
+    from wafer.engine.sequence import SamplingParams, Sequence
+
+    loaded = six_heads_a_kv_head[arch]
+    kv = KVCache(loaded.config, 2, 1100, dtype=kv_dtype)
+    runner = ModelRunner(loaded.model, kv)
+    runner.fused = FusedDecode.build(loaded.model, kv.layers, kv.layer_group, load(variant))
+    g = torch.Generator().manual_seed(11)
+    seq = Sequence([1] + torch.randint(3, 49152, (1050,), generator=g).tolist(), SamplingParams())
+    other = Sequence([1, 88, 77, 5], SamplingParams())
+    seq.slot, _ = kv.allocate()
+    other.slot, _ = kv.allocate()
+    runner.run([ScheduledSeq(seq, 0, 600)])
+    runner.run([ScheduledSeq(other, 0, 3)])
+    for start, count in ((20, 9), (250, 12), (600, 9), (620, 30)):
+        run = runner.run([ScheduledSeq(seq, start, count)], all_logits=True)
+        beside = runner.run([ScheduledSeq(other, 3, 1), ScheduledSeq(seq, start, count)], all_logits=True)[1:]
+        assert torch.equal(run, beside)
+        for i in range(count):
+            alone = runner.run([ScheduledSeq(seq, start + i, 1)], all_logits=True)[0]
+            assert torch.equal(alone, run[i]), (start, i)

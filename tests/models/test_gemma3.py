@@ -208,23 +208,26 @@ def long_alone(q4, prompts) -> list[int]:
 def test_fused_step_matches_the_python_model(path, prompts, variant):
     """The C++ step (decode.h) with Gemma's block (head norms, output norms, GeGLU, the windowed
     layers' own RoPE base and window) against gemma3.py on the same 8-bit weights, decoding past the
-    window: the same logits to float rounding in many rows, and where one path's rounding puts an
-    activation on the other side of an int8 code (measured: about half the rows, by up to 0.57 of
-    logits whose largest is ~22) within the quantisation noise of the bundled model's test."""
+    window: every row within the quantisation noise of the bundled model's test, and some rows the
+    same logits to float rounding, the long sequence's among them (its attention spans several
+    chunks of positions). The other rows differ by up to ~3% of the largest logit where one path's
+    rounding puts an activation on the other side of an int8 code: which rows do is chance (2 to 5
+    of 12 over the step's changes so far), but a path that computed something else, even slightly,
+    would have none to float rounding."""
     q8 = load_model(str(path), compute="auto")
     kv = KVCache(q8.config, 1, 16)
     assert q8.compute == "q8" and FusedDecode.build(q8.model, kv.layers, kv.layer_group) is not None
     chosen = [prompts[-1][:600], prompts[0]]  # 600: the long one's decode steps attend past the window
-    rows = close = 0
-    for fused, python in decode_logits(q8, chosen, 6, variant, max_len=640):
-        for f, p in zip(fused, python):
+    close = []
+    for fused, python in decode_logits(q8, chosen, 8, variant, max_len=640):
+        for i, (f, p) in enumerate(zip(fused, python)):
             lf, lp = f.log_softmax(-1), p.log_softmax(-1)
             top = lp.topk(10).indices
             assert (lf[top] - lp[top]).abs().max() < NATS
             assert int(f.argmax()) == int(p.argmax())
-            rows += 1
-            close += bool((f - p).abs().max() < 1e-3 * p.abs().max())
-    assert close >= rows // 4, (close, rows)
+            if (f - p).abs().max() < 1e-3 * p.abs().max():
+                close.append(i)
+    assert len(close) >= 2 and 0 in close, close
 
 
 def test_batched_with_chunked_prefill_equals_each_alone_and_whole(q4, prompts, long_alone):

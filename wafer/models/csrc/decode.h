@@ -220,29 +220,50 @@ inline void dots(const float* q, const T* k, int64_t n, float* out) {
     for (int h = 0; h < H; ++h) out[h] = simd::sum(acc[h]);
 }
 
+// o[h] += sum_j p[h][j] v_j for H heads over the rows of positions [j0, j1), which follow r: elements
+// e0.. of the output, 16 G at a time. Each of the H G accumulators is its own chain of FMAs over j (a
+// chain waits out the FMA's latency at every row, so more of them keep the units busy).
+template <int H, int G, class T>
+inline void accumulate_block(const float* p, int64_t stride, int64_t j0, int64_t j1, const T* r, float* o, int64_t n) {
+    const int64_t R = kv_row<T>(n);
+    for (int64_t e = 0; e < n; e += 16 * G) {
+        simd::F acc[H][G];
+        for (int h = 0; h < H; ++h)
+            for (int g = 0; g < G; ++g) acc[h][g] = simd::load(o + h * n + e + 16 * g);
+        const T* row = r;
+        for (int64_t j = j0; j < j1; ++j, row += R) {
+            const float sc = kv_scale(row, n);
+            simd::F w[H];
+            for (int h = 0; h < H; ++h) w[h] = simd::set1(p[h * stride + j] * sc);
+            for (int g = 0; g < G; ++g) {
+                const simd::F v = load_kv(row + e + 16 * g);
+                for (int h = 0; h < H; ++h) acc[h][g] = simd::fma(w[h], v, acc[h][g]);
+            }
+        }
+        for (int h = 0; h < H; ++h)
+            for (int g = 0; g < G; ++g) simd::store(o + h * n + e + 16 * g, acc[h][g]);
+    }
+}
+
 // o[h] = sum_j p[h][j] v_j / total[h] for H heads over positions [start, end) (rows as in
-// weighted_sum). A block's rows are read from memory once for all H heads, then from cache 16
-// elements of the output at a time (H accumulators of 16 stay in registers).
+// weighted_sum). A block's rows are read from memory once for all H heads, then from cache, as many
+// 16-element pieces of the output at a time as the registers hold accumulators for. Every element's
+// sum runs over j in order, however many pieces are taken at once: the bits do not depend on it.
 template <int H, class Row>
 inline void weighted_sums(const float* p, int64_t stride, int64_t start, int64_t end, int shift, Row row,
                           const float* total, float* o, int64_t n) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(row(start))>>;
     const int64_t R = kv_row<T>(n);
+    // Four pieces at once where their accumulators, the H weights and a row's piece fit in registers.
+    constexpr int kWide = H * 4 + H + 1 <= simd::kRegisters ? 4 : 1;
     for (int64_t i = 0; i < H * n; ++i) o[i] = 0.0f;
     for (int64_t j0 = start; j0 < end;) {
         const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
         prefetch_block(row, stop, end, shift, R);
-        for (int64_t e = 0; e < n; e += 16) {
-            simd::F acc[H];
-            for (int h = 0; h < H; ++h) acc[h] = simd::load(o + h * n + e);
-            const T* r = row(j0);
-            for (int64_t j = j0; j < stop; ++j, r += R) {
-                const simd::F v = load_kv(r + e);
-                const float sc = kv_scale(r, n);
-                for (int h = 0; h < H; ++h) acc[h] = simd::fma(simd::set1(p[h * stride + j] * sc), v, acc[h]);
-            }
-            for (int h = 0; h < H; ++h) simd::store(o + h * n + e, acc[h]);
-        }
+        if (n % (16 * kWide) == 0)
+            accumulate_block<H, kWide>(p, stride, j0, stop, row(j0), o, n);
+        else
+            accumulate_block<H, 1>(p, stride, j0, stop, row(j0), o, n);
         j0 = stop;
     }
     for (int h = 0; h < H; ++h) {

@@ -81,6 +81,7 @@ inline float bf16_to_float(uint16_t h) {
 #if defined(WAFER_AVX512)
 
 struct F { __m512 v; };
+constexpr int kRegisters = 32;  // F values the register file holds
 struct I { __m512i v; };
 struct W { __m512i v; };
 struct Mask { __mmask16 k; };
@@ -171,6 +172,7 @@ inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
 #elif defined(WAFER_AVX2)
 
 struct F { __m256 a, b; };
+constexpr int kRegisters = 8;
 struct I { __m256i a, b; };
 struct W { __m256i a, b; };
 struct Mask { __m256 a, b; };
@@ -407,6 +409,7 @@ inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
 #elif defined(WAFER_NEON)
 
 struct F { float32x4_t v[4]; };
+constexpr int kRegisters = 8;
 struct I { int32x4_t v[4]; };
 struct W { uint8x16_t v[4]; };
 struct Mask { uint32x4_t v[4]; };
@@ -562,6 +565,7 @@ inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
 #else  // portable
 
 struct F { float v[16]; };
+constexpr int kRegisters = 1;
 struct I { int32_t v[16]; };
 struct W { uint8_t v[64]; };
 struct Mask { bool v[16]; };

@@ -221,8 +221,8 @@ inline void dots(const float* q, const T* k, int64_t n, float* out) {
     for (int h = 0; h < H; ++h) out[h] = simd::sum(acc[h]);
 }
 
-// o[h] += sum_j p[h][j] v_j for H heads over the rows of positions [j0, j1), which follow r: elements
-// e0.. of the output, 16 G at a time. Each of the H G accumulators is its own chain of FMAs over j (a
+// o[h] += sum_j p[h][j] v_j for H heads over the rows of positions [j0, j1), which follow r, 16 G
+// elements of the output at a time. Each of the H G accumulators is its own chain of FMAs over j (a
 // chain waits out the FMA's latency at every row, so more of them keep the units busy).
 template <int H, int G, class T>
 inline void accumulate_block(const float* p, int64_t stride, int64_t j0, int64_t j1, const T* r, float* o, int64_t n) {

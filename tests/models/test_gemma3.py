@@ -209,11 +209,10 @@ def test_fused_step_matches_the_python_model(path, prompts, variant):
     """The C++ step (decode.h) with Gemma's block (head norms, output norms, GeGLU, the windowed
     layers' own RoPE base and window) against gemma3.py on the same 8-bit weights, decoding past the
     window: every row within the quantisation noise of the bundled model's test, and some rows the
-    same logits to float rounding, the long sequence's among them (its attention spans several
-    chunks of positions). The other rows differ by up to ~3% of the largest logit where one path's
-    rounding puts an activation on the other side of an int8 code: which rows do is chance (2 to 5
-    of 12 over the step's changes so far), but a path that computed something else, even slightly,
-    would have none to float rounding."""
+    same logits to float rounding, the long sequence's among them (it attends past the window). The
+    other rows differ by up to ~3% of the largest logit where one path's rounding puts an activation
+    on the other side of an int8 code: which rows do is chance (2 to 5 of 12 between builds that
+    round differently), but a path that computed something else, even slightly, would have none."""
     q8 = load_model(str(path), compute="auto")
     kv = KVCache(q8.config, 1, 16)
     assert q8.compute == "q8" and FusedDecode.build(q8.model, kv.layers, kv.layer_group) is not None

@@ -565,7 +565,7 @@ inline I dot_block6(const W* w, const int32_t* xq, I s0, I s1) {
 #else  // portable
 
 struct F { float v[16]; };
-constexpr int kRegisters = 1;
+constexpr int kRegisters = 1;  // plain loops: no register file to plan for, one piece at a time
 struct I { int32_t v[16]; };
 struct W { uint8_t v[64]; };
 struct Mask { bool v[16]; };

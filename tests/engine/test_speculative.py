@@ -147,6 +147,22 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
     assert prop.propose([seq], [2])[0].tokens == [2, 6]
 
 
+def test_ngram_lookup_goes_on_repeating_a_match_that_runs_into_the_suffix() -> None:
+    from wafer.engine.sequence import Sequence
+
+    prop = NgramProposer(SpeculativeConfig(method="ngram", ngram_max=4, ngram_min=2))
+    # ... 7, 8, 9, 7, 8, 9, 7, 8: the latest earlier (7, 8) ends 3 tokens back, so only 9, 7, 8
+    # follow it; the text repeats with period 3 and the proposal goes on with it.
+    seq = Sequence([1, 2, 7, 8, 9, 7, 8, 9, 7, 8], SamplingParams())
+    assert prop.propose([seq], [8])[0].tokens == [9, 7, 8, 9, 7, 8, 9, 7]
+    # A run of one token (period 1), as indentation is.
+    seq = Sequence([3, 4, 0, 0, 0], SamplingParams())
+    assert prop.propose([seq], [5])[0].tokens == [0, 0, 0, 0, 0]
+    # A match far enough back is cut to k as before, with nothing repeated.
+    seq = Sequence([5, 6, 1, 2, 3, 4, 5, 6], SamplingParams())
+    assert prop.propose([seq], [3])[0].tokens == [1, 2, 3]
+
+
 @pytest.mark.parametrize("max_tokens", [7, 48])
 def test_ngram_greedy_equals_plain_alone_and_batched(smollm, prompts, max_tokens) -> None:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0)

@@ -166,7 +166,14 @@ class NgramProposer:
                 continue
             end = tables[n].get(tuple(tokens[len(tokens) - n :]))
             if end is not None:
-                return tokens[end + 1 : end + 1 + k]
+                out = tokens[end + 1 : end + 1 + k]
+                # A match that ends fewer than k tokens back has a continuation that runs into the
+                # suffix itself: the text repeats with period `period` (rows of a table, runs of
+                # indentation), and the proposal goes on repeating it rather than stop short.
+                period = last - end
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
     def verified(self, seq: Sequence, start_len: int, accepted: int, proposed: int) -> None:

@@ -11,8 +11,11 @@ Three workloads, greedy, up to 256 new tokens, 2 threads, on the default model o
 runs with K fixed and with `--speculative-length adaptive` (up to K a step, as measured steps pay).
 
 Decode tokens/s counts the tokens after the first over the time after the first, summed over the
-prompts of a workload; median of 3 runs. Greedy output with speculation must equal the output without
-it, and the script says whether it did. llama-cpp-python's plain decode on the same prompts is
+prompts of a workload. Every system runs the workload once a round, in an order that turns each
+round, for --repeats rounds (5): the tok/s column is a system's median over the rounds, and "vs
+wafer" the median of its per-round ratios to plain decoding in the same round, with their range, so
+that a host whose speed drifts during the run moves both sides of a ratio alike. Greedy output with
+speculation must equal the output without it, in every round, and the script says whether it did. llama-cpp-python's plain decode on the same prompts is
 printed next to them when it is installed (`make bench` installs it).
 """
 
@@ -26,6 +29,7 @@ import os
 import statistics
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -102,21 +106,34 @@ def llama_cpp_run(isa: str, model: str | None = None):
     return run
 
 
-def measure(run, prompts: list[list[int]], n: int, repeats: int) -> tuple[float, int, list[list[int]]]:
-    """Decode tokens/s over the workload (median of `repeats`), tokens, and the outputs."""
-    speeds, outputs = [], []
-    for _ in range(repeats):
-        outputs = [run(p, n) for p in prompts]
-        tokens = sum(len(o) - 1 for o, _ in outputs)
-        speeds.append(tokens / sum(t for _, t in outputs))
-    return statistics.median(speeds), sum(len(o) for o, _ in outputs), [o for o, _ in outputs]
+def rounds(runs: dict[str, Callable], prompts: list[list[int]], n: int, repeats: int,
+           ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, list[list[list[int]]]]]:
+    """Each system over the workload once a round, the order turned by one each round: per system its
+    decode tokens/s of each round, its tokens of the last round, and its outputs of every round."""
+    names = list(runs)
+    speeds: dict[str, list[float]] = {k: [] for k in names}
+    tokens: dict[str, int] = {}
+    outputs: dict[str, list[list[list[int]]]] = {k: [] for k in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            done = [runs[name](p, n) for p in prompts]
+            speeds[name].append(sum(len(o) - 1 for o, _ in done) / sum(t for _, t in done))
+            tokens[name] = sum(len(o) for o, _ in done)
+            outputs[name].append([o for o, _ in done])
+    return speeds, tokens, outputs
+
+
+def ratio(speeds: list[float], base: list[float]) -> str:
+    """The median of per-round ratios, and their range."""
+    rs = [a / b for a, b in zip(speeds, base)]
+    return f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per prompt at most")
     ap.add_argument("--k", type=int, default=8, help="speculative tokens per step (default 8)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
     ap.add_argument("--quant", choices=["auto", "f32", "int8", "q8", "q4"], default="auto")
     ap.add_argument("--isa", default="auto", help="wafer's kernel variant, as in bench/decode.py")
     ap.add_argument("--model", default=None, help="the target: a tier, a name of `wafer models` or a GGUF path "
@@ -155,27 +172,35 @@ def main() -> None:
     per_position = {}
     lengths_chosen = {}
     for name, prompts in loads.items():
-        base, tokens, ref = measure(plain, prompts, args.tokens, args.repeats)
-        rows.append([name, label, str(tokens), f"{base:.1f}", "-", "1.00x", "-"])
-        for method, (engine, run) in methods.items():
+        runs: dict[str, Callable] = {label: plain, **{m: run for m, (_, run) in methods.items()}}
+        if lcpp is not None:
+            runs["llama-cpp-python"] = lcpp
+        before = {m: (e.stats.spec.drafts, e.stats.spec.accepted_tokens, list(e.stats.spec.accepted_per_pos),
+                      dict(e.draft_length.chosen) if e.draft_length else None) for m, (e, _) in methods.items()}
+        speeds, tokens, outputs = rounds(runs, prompts, args.tokens, args.repeats)
+        base, ref = speeds[label], outputs[label][0]
+        rows.append([name, label, str(tokens[label]), f"{statistics.median(base):.1f}", "-", "1.00x", "-"])
+        for method, (engine, _) in methods.items():
             st = engine.stats.spec
-            before = (st.drafts, st.accepted_tokens, list(st.accepted_per_pos))
-            chosen = dict(engine.draft_length.chosen) if engine.draft_length else None
-            fast, _, out = measure(run, prompts, args.tokens, args.repeats)
-            drafts, accepted = st.drafts - before[0], st.accepted_tokens - before[1]
-            per_pos = [a - b for a, b in zip(st.accepted_per_pos, before[2] + [0] * len(st.accepted_per_pos))]
+            drafts0, accepted0, per_pos0, chosen = before[method]
+            drafts, accepted = st.drafts - drafts0, st.accepted_tokens - accepted0
+            per_pos = [a - b for a, b in zip(st.accepted_per_pos, per_pos0 + [0] * len(st.accepted_per_pos))]
             per_position[(name, method)] = ", ".join(f"{n / drafts:.2f}" for n in per_pos) if drafts else "-"
             if chosen is not None:
                 lengths_chosen[(name, method)] = ", ".join(
-                    f"{k}: {n - chosen[k]}" for k, n in engine.draft_length.chosen.items() if n > chosen[k])
-            rows.append([name, method, str(tokens), f"{fast:.1f}", f"{1 + accepted / drafts:.2f}" if drafts else "-",
-                         f"{fast / base:.2f}x", "yes" if out == ref else "NO"])
+                    f"{k}: {n - chosen.get(k, 0)}" for k, n in engine.draft_length.chosen.items() if n > chosen.get(k, 0))
+            same = all(out == ref for out in outputs[method])
+            rows.append([name, method, str(tokens[method]), f"{statistics.median(speeds[method]):.1f}",
+                         f"{1 + accepted / drafts:.2f}" if drafts else "-", ratio(speeds[method], base),
+                         "yes" if same else "NO"])
         if lcpp is not None:
-            speed, n, _ = measure(lcpp, prompts, args.tokens, args.repeats)
-            rows.append([name, "llama-cpp-python", str(n), f"{speed:.1f}", "-", f"{speed / base:.2f}x", "-"])
+            rows.append([name, "llama-cpp-python", str(tokens["llama-cpp-python"]),
+                         f"{statistics.median(speeds['llama-cpp-python']):.1f}", "-",
+                         ratio(speeds["llama-cpp-python"], base), "-"])
         print(f"  measured {name}", file=sys.stderr)
     print(f"Speculative decoding, {loaded.name} ({label}), single stream, greedy, up to {args.tokens} new "
-          f"tokens per prompt, {THREADS} threads, 3 prompts per workload, median of {args.repeats}")
+          f"tokens per prompt, {THREADS} threads, 3 prompts per workload, {args.repeats} rounds (tok/s: median; "
+          f"vs wafer: median of per-round ratios, and their range)")
     print(table(["workload", "system", "tokens", "decode tok/s", "acceptance length", "vs wafer", "same output"],
                 rows))
     print("acceptance rate by draft position (accepted / proposals at positions 1..k):")

@@ -92,6 +92,50 @@ def test_draft_length_follows_a_change_of_text() -> None:
     assert lengths.best() in (0, 1)
 
 
+def test_draft_length_learns_apart_after_kept_and_after_cut_drafts() -> None:
+    # A copying answer: stretches where drafts are kept (after a draft kept whole) broken by new
+    # text (after one cut short). One climb over both would sit between; two find each its own.
+    lengths = DraftLength(8)
+    cost = lambda n: 0.065 + 0.01 * (n - 1)  # noqa: E731
+    for _ in range(40):
+        for kept, accept, steps in ((True, 0.95, 12), (False, 0.1, 6)):
+            for _ in range(steps):
+                k = lengths.choose(1, kept)
+                lengths.record(k, sum(accept ** i for i in range(k + 1)), cost(1 + k), 1, kept)
+    assert lengths.best(1, kept=True) == 8
+    assert lengths.best(1, kept=False) in (0, 1)
+
+
+def test_the_engine_gives_the_draft_length_the_last_steps_outcome(smollm, prompts) -> None:
+    """choose() hears whether the step before kept every draft whole, record() the same context."""
+    spec = engine(smollm, SpeculativeConfig(method="ngram", num_tokens=4, adaptive=True))
+    lengths = spec.draft_length
+    assert lengths is not None
+    # Drafts of 4 look best at first in both contexts, so that some are kept in part.
+    lengths.by_context.update({(1, False): {4: 1e9}, (1, True): {4: 1e9}})
+    steps: list[tuple[bool, int, int]] = []  # (context given, tokens drafted, kept) per step
+    choose, record = lengths.choose, lengths.record
+    given: list[bool] = []
+    lengths.choose = lambda batch=1, kept=False: (given.append(kept), choose(batch, kept))[1]  # type: ignore[method-assign]
+    contexts: list[bool] = []
+    lengths.record = lambda k, tokens, seconds, batch=1, kept=False: (  # type: ignore[method-assign]
+        contexts.append(kept), record(k, tokens, seconds, batch, kept))
+    seq = spec.add(prompts[0], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    st = spec.stats.spec
+    while not seq.finished:
+        n_given, n_recorded, drafted, accepted = len(given), len(contexts), st.draft_tokens, st.accepted_tokens
+        spec.step()
+        if len(given) > n_given:
+            steps.append((given[-1], st.draft_tokens - drafted, st.accepted_tokens - accepted))
+            if len(contexts) > n_recorded:
+                assert contexts[-1] == given[-1]  # measured in the context it was chosen in
+    assert len(contexts) > len(steps) // 2
+    for (_, drafted, accepted), (next_given, _, _) in zip(steps, steps[1:]):
+        assert next_given == (drafted > 0 and accepted == drafted)
+    assert {True, False} <= {c for c, _, _ in steps}  # the rewrite keeps some drafts whole, not all
+    assert any(0 < accepted < drafted for _, drafted, accepted in steps)  # and some in part
+
+
 def test_adaptive_ngram_greedy_equals_plain_and_learns_from_decode_steps_alone(smollm, prompts) -> None:
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     plain = engine(smollm).generate(prompts, sp)
@@ -100,8 +144,8 @@ def test_adaptive_ngram_greedy_equals_plain_and_learns_from_decode_steps_alone(s
     lengths = spec.draft_length
     assert lengths is not None
     record = lengths.record
-    lengths.record = lambda k, tokens, seconds, batch=1: (  # type: ignore[method-assign]
-        recorded.append((k, tokens, batch)), record(k, tokens, seconds, batch))
+    lengths.record = lambda k, tokens, seconds, batch=1, kept=False: (  # type: ignore[method-assign]
+        recorded.append((k, tokens, batch)), record(k, tokens, seconds, batch, kept))
     out = [spec.generate([p], sp)[0] for p in prompts]
     assert [s.output_ids for s in out] == [s.output_ids for s in plain]
     # Every decoding step chooses a length and is measured (120 tokens in fewer steps); prompt
@@ -109,7 +153,7 @@ def test_adaptive_ngram_greedy_equals_plain_and_learns_from_decode_steps_alone(s
     assert 0 < len(recorded) == sum(lengths.chosen.values()) < 3 * 40
     assert all(1 <= tokens <= k + 1 and batch == 1 for k, tokens, batch in recorded)
     assert sum(tokens for _, tokens, _ in recorded) == 3 * 40 - 3  # each prompt's first token comes from its prefill
-    assert lengths.yields(1) and not lengths.yields(2)
+    assert (lengths.yields(1) or lengths.yields(1, kept=True)) and not lengths.yields(2)
 
 
 def test_adaptive_draft_model_greedy_equals_plain(tiny_pair) -> None:
@@ -119,7 +163,7 @@ def test_adaptive_draft_model_greedy_equals_plain(tiny_pair) -> None:
     prompts = [[1, 3, 4, 5], [1, 9, 9, 8, 7, 6, 5, 4]]
     plain = engine(target).generate(prompts, sp)
     spec = engine(target, SpeculativeConfig(method="draft", num_tokens=4, draft_model="d", adaptive=True), draft=draft)
-    spec.draft_length.by_batch[1] = {0: 1e9}  # type: ignore[union-attr]  # plain decoding looks best at first
+    spec.draft_length.by_context[(1, False)] = {0: 1e9}  # type: ignore[union-attr]  # plain decoding looks best at first
     fed = []
     run = spec.proposer.runner.run
     spec.proposer.runner.run = lambda items, *a, **kw: (fed.append([i.count for i in items]), run(items, *a, **kw))[1]

@@ -163,6 +163,7 @@ class LLMEngine:
                      "steps, which stages overlap)", spec.num_tokens)
         self.draft_length = DraftLength(spec.num_tokens) if adaptive and self.pipeline is None else None
         self._step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
+        self._kept = False  # the last step verified drafts and kept every one whole: DraftLength's context
         self.step_cost = StepCost()  # what a step's tokens cost, learned from its prompt steps (step_cost.py)
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
@@ -297,11 +298,14 @@ class LLMEngine:
         if not scheduled:
             return failed
         self._draft_follows_prompt(scheduled)
+        kept_before, spec = self._kept, self.stats.spec
+        drafted, accepted = spec.draft_tokens, spec.accepted_tokens
         outputs = self._process(scheduled, logits, failed, time.perf_counter() - started)
+        self._kept = spec.draft_tokens > drafted and spec.accepted_tokens - accepted == spec.draft_tokens - drafted
         if measured:
             catch_up = self.proposer.catch_up_seconds if isinstance(self.proposer, DraftModelProposer) else 0.0
             self.draft_length.record(self._step_k, self.stats.generated_tokens - generated,  # type: ignore[union-attr, arg-type]
-                                     time.perf_counter() - started - catch_up, len(scheduled))
+                                     time.perf_counter() - started - catch_up, len(scheduled), kept_before)
         return outputs
 
     # --- the step through pipeline stages ---------------------------------------------------------
@@ -540,7 +544,7 @@ class LLMEngine:
             return  # prompt work alone: nothing to propose for, no length to choose
         k = self.config.speculative.num_tokens
         if self.draft_length is not None:
-            k = self._step_k = self.draft_length.choose(len(scheduled))
+            k = self._step_k = self.draft_length.choose(len(scheduled), self._kept)
             if k == 0:
                 return
         items, limits = [], []

@@ -184,7 +184,9 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
     prop = NgramProposer(SpeculativeConfig(method="ngram", ngram_max=3, ngram_min=2))
     seq = Sequence([5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4], SamplingParams())
     seq.tokens += [1, 6, 7]  # suffix (6, 7) last occurred before 3, 4; (1, 6, 7) never did
-    assert prop.propose([seq], [3])[0].tokens == [3, 4, 1]
+    assert prop.propose([seq], [3])[0].tokens == [3, 4]  # a 2-token match proposes 2
+    seq.tokens += [3, 4, 1, 6, 7]  # (4, 1, 6, 7) is longer than ngram_max; (1, 6, 7) matches whole
+    assert prop.propose([seq], [4])[0].tokens == [3, 4, 1, 6]
     seq.tokens += [42]
     assert prop.propose([seq], [3])[0].tokens == []  # no earlier 42
     seq.tokens += [9, 1]  # (9, 1) followed by 2, 6, 7
@@ -200,10 +202,10 @@ def test_ngram_lookup_goes_on_repeating_a_match_that_runs_into_the_suffix() -> N
     seq = Sequence([1, 2, 7, 8, 9, 7, 8, 9, 7, 8], SamplingParams())
     assert prop.propose([seq], [8])[0].tokens == [9, 7, 8, 9, 7, 8, 9, 7]
     # A run of one token (period 1), as indentation is.
-    seq = Sequence([3, 4, 0, 0, 0], SamplingParams())
+    seq = Sequence([3, 4, 0, 0, 0, 0, 0], SamplingParams())
     assert prop.propose([seq], [5])[0].tokens == [0, 0, 0, 0, 0]
     # A match far enough back is cut to k as before, with nothing repeated.
-    seq = Sequence([5, 6, 1, 2, 3, 4, 5, 6], SamplingParams())
+    seq = Sequence([3, 4, 5, 6, 1, 2, 3, 4, 5, 6], SamplingParams())
     assert prop.propose([seq], [3])[0].tokens == [1, 2, 3]
 
 

@@ -15,8 +15,9 @@ prompts of a workload. Every system runs the workload once a round, in an order 
 round, for --repeats rounds (5): the tok/s column is a system's median over the rounds, and "vs
 wafer" the median of its per-round ratios to plain decoding in the same round, with their range, so
 that a host whose speed drifts during the run moves both sides of a ratio alike. Greedy output with
-speculation must equal the output without it, in every round, and the script says whether it did. llama-cpp-python's plain decode on the same prompts is
-printed next to them when it is installed (`make bench` installs it).
+speculation must equal the output without it, in every round, and the script says whether it did.
+llama-cpp-python's plain decode on the same prompts is printed next to them when it is installed
+(`make bench` installs it).
 """
 
 from __future__ import annotations

@@ -149,8 +149,8 @@ class Draft:
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n
     first) and propose the tokens that followed it: up to K after a match of n_max tokens, n after a
-    shorter one. Each sequence keeps an index from n-gram to
-    where it last ended, extended incrementally, so a step costs a few dictionary lookups."""
+    shorter one. Each sequence keeps an index from n-gram to where it last ended, extended
+    incrementally, so a step costs a few dictionary lookups."""
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.n_max, self.n_min = cfg.ngram_max, max(1, cfg.ngram_min)

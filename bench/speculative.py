@@ -189,7 +189,7 @@ def main() -> None:
             per_position[(name, method)] = ", ".join(f"{n / drafts:.2f}" for n in per_pos) if drafts else "-"
             if chosen is not None:
                 lengths_chosen[(name, method)] = ", ".join(
-                    f"{k}: {n - chosen.get(k, 0)}" for k, n in engine.draft_length.chosen.items() if n > chosen.get(k, 0))
+                    f"{k}: {n - chosen[k]}" for k, n in engine.draft_length.chosen.items() if n > chosen[k])
             same = all(out == ref for out in outputs[method])
             rows.append([name, method, str(tokens[method]), f"{statistics.median(speeds[method]):.1f}",
                          f"{1 + accepted / drafts:.2f}" if drafts else "-", ratio(speeds[method], base),

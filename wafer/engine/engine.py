@@ -301,7 +301,8 @@ class LLMEngine:
         kept_before, spec = self._kept, self.stats.spec
         drafted, accepted = spec.draft_tokens, spec.accepted_tokens
         outputs = self._process(scheduled, logits, failed, time.perf_counter() - started)
-        self._kept = spec.draft_tokens > drafted and spec.accepted_tokens - accepted == spec.draft_tokens - drafted
+        if self.draft_length is not None:
+            self._kept = spec.draft_tokens > drafted and spec.accepted_tokens - accepted == spec.draft_tokens - drafted
         if measured:
             catch_up = self.proposer.catch_up_seconds if isinstance(self.proposer, DraftModelProposer) else 0.0
             self.draft_length.record(self._step_k, self.stats.generated_tokens - generated,  # type: ignore[union-attr, arg-type]

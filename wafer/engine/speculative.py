@@ -177,13 +177,13 @@ class NgramProposer:
                 # A shorter match is a weaker hint, and a long draft after it is mostly a step paid
                 # for rows thrown away: on code edits, drafts after 4-token matches kept 7.1 of 8
                 # tokens, after 2-token ones 2.0, half of them none. It proposes as many as it matched.
-                k = k if n == self.n_max else min(k, n)
-                out = tokens[end + 1 : end + 1 + k]
-                # A match that ends fewer than k tokens back has a continuation that runs into the
+                limit = k if n == self.n_max else min(k, n)
+                out = tokens[end + 1 : end + 1 + limit]
+                # A match that ends fewer than `limit` tokens back has a continuation that runs into the
                 # suffix itself: the text repeats with period `period` (rows of a table, runs of
                 # indentation), and the proposal goes on repeating it rather than stop short.
                 period = last - end
-                while len(out) < k:
+                while len(out) < limit:
                     out.append(out[len(out) - period])
                 return out
         return []

@@ -105,11 +105,14 @@ def test_q6_k_goes_to_8_bits_within_half_a_step():
     assert bits_for(T.Q6_K, "q4") == 8 and bits_for(T.Q4_K, "q4") == 4 and bits_for(T.Q4_K, "q8") == 8
 
 
-def test_embedding_rows_dequantised_on_lookup():
-    raw = random_blocks(T.Q4_K, rows=64)
-    emb = GGUFEmbedding(raw, T.Q4_K, K)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0])  # Q8_0 has a path of its own
+def test_embedding_rows_dequantised_on_lookup(qtype):
+    raw = random_blocks(qtype, rows=64)
+    emb = GGUFEmbedding(raw, qtype, K)
     ids = torch.tensor([[3, 0, 63], [5, 5, 7]])
-    assert torch.equal(emb(ids), reference(raw, T.Q4_K)[ids])
+    got = emb(ids)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, K)
+    assert torch.equal(got, reference(raw, qtype)[ids])
 
 
 def k_values(parts: tuple[torch.Tensor, ...], fmt: int) -> torch.Tensor:

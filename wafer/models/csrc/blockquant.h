@@ -99,6 +99,12 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, floa
     }
 }
 
+// The locality hint of the weights' prefetches: none. A step reads each weight once, and the model is
+// larger than the last-level cache, so kept weights only push out what is used again: the KV cache,
+// the activations, and the interpreter's code and data between steps (whose misses after a step
+// cost more than the Python work itself).
+constexpr int kNoReuse = 0;
+
 // Y[r, channel groups g0..g1) for R rows of x.
 template <int BITS, int R>
 void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
@@ -109,8 +115,9 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
         const uint8_t* p = P + g * nb * rec;
 #pragma GCC unroll 1
         for (int64_t b = 0; b < nb; ++b, p += rec) {
-            // The next group's record at this block: fetched while this one computes.
-            for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(p + nb * rec + line, 0, 3);
+            // The next group's record at this block: fetched while this one computes, as
+            // non-temporal (kNoReuse) data.
+            for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(p + nb * rec + line, 0, kNoReuse);
             simd::W w[8];
             if constexpr (BITS == 4 || BITS == 5) {
                 for (int i = 0; i < 4; ++i) {
@@ -165,7 +172,7 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
 #pragma GCC unroll 1
             for (int b = 0; b < 8; ++b) {
                 // An eighth of the next group's record at this super-block, fetched while this one computes.
-                for (int64_t line = b * rec / 8; line < (b + 1) * rec / 8; line += 64) __builtin_prefetch(ps + ahead + line, 0, 3);
+                for (int64_t line = b * rec / 8; line < (b + 1) * rec / 8; line += 64) __builtin_prefetch(ps + ahead + line, 0, kNoReuse);
                 const uint8_t* p = ps + b * body;
                 simd::W w[8];
                 for (int i = 0; i < 4; ++i) {

@@ -113,6 +113,7 @@ def test_embedding_rows_dequantised_on_lookup(qtype):
     got = emb(ids)
     assert got.dtype == torch.float32 and got.shape == (2, 3, K)
     assert torch.equal(got, reference(raw, qtype)[ids])
+    assert emb(torch.tensor([], dtype=torch.long)).shape == (0, K)
 
 
 def k_values(parts: tuple[torch.Tensor, ...], fmt: int) -> torch.Tensor:

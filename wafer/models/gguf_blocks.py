@@ -206,12 +206,15 @@ class GGUFEmbedding(nn.Module):
         self.embedding_dim = dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not ids.numel():  # gguf-py cannot reshape an empty array
+            return torch.empty(*ids.shape, self.embedding_dim)
         rows = self.raw[ids.reshape(-1)]
         if self.qtype == T.Q8_0:
             # gguf-py's arithmetic (scale times code, in float32) in a few torch calls: its generic
             # path runs through enough Python and numpy to cost a decode step 0.1 ms or more, its
             # code evicted from the caches by the step's weights every time.
-            blocks = rows.view(rows.shape[0], -1, 34)
+            size = GGML_QUANT_SIZES[T.Q8_0][1]  # a float16 scale, then 32 int8 codes
+            blocks = rows.view(rows.shape[0], self.raw.shape[1] // size, size)
             scale = blocks[:, :, :2].contiguous().view(torch.float16).float()
             w = blocks[:, :, 2:].view(torch.int8).float() * scale
             return w.reshape(*ids.shape, self.embedding_dim)

@@ -223,7 +223,9 @@ def test_fused_step_matches_the_python_model(path, prompts, variant):
             lf, lp = f.log_softmax(-1), p.log_softmax(-1)
             top = lp.topk(10).indices
             assert (lf[top] - lp[top]).abs().max() < NATS
-            assert int(f.argmax()) == int(p.argmax())
+            # The fused step's choice is the reference's best within the noise bound (as in the bundled
+            # model's test): where two tokens lie closer than that, either may come first.
+            assert lp[int(f.argmax())] >= lp.max() - NATS
             if (f - p).abs().max() < 1e-3 * p.abs().max():
                 close.append(i)
     assert len(close) >= 2 and 0 in close, close

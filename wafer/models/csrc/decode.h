@@ -209,16 +209,27 @@ constexpr int64_t kMaxHeads = 4;  // query heads that one pass over a KV head's 
 constexpr int64_t kAhead = 6;    // blocks of keys fetched ahead of the one being read: as many as
                                  // cover memory's latency at contexts of thousands (measured)
 
-// Each of H query heads (q, H rows of n) times one key row: out[h] = q_h . k (without k's scale).
+// p[h][g] = scale * (q_h . k_g) * k_g's scale for H query heads (q, H rows of n) and the c <= 16 key
+// rows k_g that follow k, R elements apart. Each (head, key) product is summed over 16-element pieces
+// into one vector, and the 16 keys' vectors of a head are reduced together, a key a lane (sums16):
+// a horizontal sum per product cost more than the products themselves.
 template <int H, class T>
-inline void dots(const float* q, const T* k, int64_t n, float* out) {
-    simd::F acc[H];
-    for (int h = 0; h < H; ++h) acc[h] = simd::zero();
-    for (int64_t e = 0; e < n; e += 16) {
-        const simd::F kv = load_kv(k + e);
-        for (int h = 0; h < H; ++h) acc[h] = simd::fma(simd::load(q + h * n + e), kv, acc[h]);
+inline void scores(const float* q, const T* k, int64_t R, int64_t c, int64_t n, float scale, float* p, int64_t stride) {
+    simd::F acc[H][16];
+    alignas(64) float ks[16];
+    for (int64_t g = 0; g < 16; ++g) {
+        for (int h = 0; h < H; ++h) acc[h][g] = simd::zero();
+        ks[g] = 0.0f;
+        if (g >= c) continue;
+        const T* kg = k + g * R;
+        for (int64_t e = 0; e < n; e += 16) {
+            const simd::F kv = load_kv(kg + e);
+            for (int h = 0; h < H; ++h) acc[h][g] = simd::fma(simd::load(q + h * n + e), kv, acc[h][g]);
+        }
+        ks[g] = kv_scale(kg, n) * scale;
     }
-    for (int h = 0; h < H; ++h) out[h] = simd::sum(acc[h]);
+    const simd::F kscale = simd::load(ks);
+    for (int h = 0; h < H; ++h) simd::store_n(p + h * stride, simd::sums16(acc[h]) * kscale, c);
 }
 
 // o[h] += sum_j p[h][j] v_j for H heads over the rows of positions [j0, j1), which follow r, 16 G
@@ -288,12 +299,8 @@ inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int 
         const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
         prefetch_block(krow, ((j0 >> shift) + kAhead) << shift, end, shift, R);
         prefetch_block(vrow, j0, end, shift, R);
-        for (int64_t j = j0; j < stop; ++j, K += R) {
-            float d[H];
-            dots<H>(q, K, n, d);
-            const float ks = kv_scale(K, n) * scale;
-            for (int h = 0; h < H; ++h) p[h * stride + j] = d[h] * ks;
-        }
+        for (int64_t j = j0; j < stop; j += 16, K += 16 * R)
+            scores<H>(q, K, R, std::min<int64_t>(16, stop - j), n, scale, p + j, stride);
         j0 = stop;
     }
     float total[H];

@@ -637,6 +637,53 @@ void test_attention_parts() {
     }
 }
 
+// sums16 (lane k: the sum of vector k's lanes) and the attention scores of 3 query heads over up
+// to 16 key rows R apart, against double sums; lanes past c stay unwritten.
+void test_scores() {
+    Rng rng(11);
+    simd::F v[16];
+    alignas(64) float lanes[16][16], got[16];
+    double sum_err = 0.0;
+    for (int k = 0; k < 16; ++k) {
+        for (int i = 0; i < 16; ++i) lanes[k][i] = static_cast<float>(rng.normal()) * (k + 1);
+        v[k] = simd::load(lanes[k]);
+    }
+    simd::store(got, simd::sums16(v));
+    for (int k = 0; k < 16; ++k) {
+        double want = 0.0, size = 0.0;
+        for (int i = 0; i < 16; ++i) want += lanes[k][i], size += std::fabs(lanes[k][i]);
+        sum_err = std::max(sum_err, std::fabs(got[k] - want) / size);
+    }
+    check(sum_err < 1e-6, "sums16: max error %.2e of the sum of |lanes| (tol 1e-6)", sum_err);
+    for (int64_t n : {64, 128}) {
+        for (int64_t c : {16, 5, 1}) {
+            constexpr int H = 3;
+            const int64_t R = n + 8, stride = 40;
+            std::vector<float> q(H * n), k(16 * R), p(H * stride, 12345.0f);
+            for (auto& a : q) a = static_cast<float>(rng.normal());
+            for (auto& a : k) a = static_cast<float>(rng.normal());
+            const float scale = 0.125f;
+            wafer::scores<H>(q.data(), k.data(), R, c, n, scale, p.data() + 3, stride);
+            double err = 0.0;
+            bool tail = true;
+            for (int h = 0; h < H; ++h) {
+                for (int64_t g = 0; g < c; ++g) {
+                    double want = 0.0, size = 0.0;
+                    for (int64_t e = 0; e < n; ++e) {
+                        const double t = static_cast<double>(q[h * n + e]) * k[g * R + e] * scale;
+                        want += t, size += std::fabs(t);
+                    }
+                    err = std::max(err, std::fabs(p[h * stride + 3 + g] - want) / size);
+                }
+                for (int64_t j = 0; j < stride; ++j)
+                    if ((j < 3 || j >= 3 + c) && p[h * stride + j] != 12345.0f) tail = false;
+            }
+            check(err < 1e-6 && tail, "scores H=3 n=%lld c=%lld: max error %.2e of the sum of |terms| (tol 1e-6)%s",
+                  static_cast<long long>(n), static_cast<long long>(c), err, tail ? "" : ", wrote outside its keys");
+        }
+    }
+}
+
 // KV rows in bfloat16 and int8: stored rounded as the format says, and read back by dot and
 // weighted_sum (with each int8 row's scale) as a scalar loop over the stored values reads them.
 template <class T>
@@ -954,6 +1001,7 @@ int main() {
     test_rms_norm();
     test_silu_mul();
     test_attention_parts();
+    test_scores();
     test_kv_rows<wafer::Bf16>("bfloat16");
     test_kv_rows<int8_t>("int8");
     test_decode_step();

@@ -111,6 +111,24 @@ inline F min(F a, F b) { return {_mm512_min_ps(a.v, b.v)}; }
 inline F abs(F a) { return {_mm512_abs_ps(a.v)}; }
 inline F keep_n(F a, int64_t n) { return {_mm512_maskz_mov_ps(first_n(n), a.v)}; }
 inline float sum(F a) { return _mm512_reduce_add_ps(a.v); }
+// Lane k: the sum of v[k]'s lanes, for 16 vectors at once (a transposed reduction: 45 operations
+// where 16 horizontal sums take about 130). Every lane's sum is added up in the same order.
+inline F sums16(const F* v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)  // 256-bit halves of two vectors: [v2i's 8 partials | v2i+1's]
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; ++i)  // quarter j: vector 4i+j's 4 partials
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; ++i)  // quarter j: 2 partials of vectors 8i+j and 8i+4+j
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // Lane 4j+t: vector 4t+j; permuted into place.
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r)};
+}
 inline float hmax(F a) { return _mm512_reduce_max_ps(a.v); }
 inline F round_even(F a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline F scale2(F y, F n) { return {_mm512_scalef_ps(y.v, n.v)}; }  // y 2^n, n integral
@@ -230,6 +248,22 @@ inline float sum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 inline float sum(F x) { return sum8(_mm256_add_ps(x.a, x.b)); }
+// Lane k of 8: the sum of t[k]'s lanes (a transposed reduction, the same order for every lane).
+inline __m256 sums8(const __m256* t) {
+    __m256 u[4], w[2];
+    for (int i = 0; i < 4; ++i)  // per 128-bit half: [t2i: 0+2, t2i+1: 0+2, t2i: 1+3, t2i+1: 1+3]
+        u[i] = _mm256_add_ps(_mm256_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm256_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)  // per half: vectors 4i..4i+3, each (0+2)+(1+3)
+        w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
+}
+// Lane k: the sum of v[k]'s lanes, for 16 vectors at once.
+inline F sums16(const F* v) {
+    __m256 t[16];
+    for (int k = 0; k < 16; ++k) t[k] = _mm256_add_ps(v[k].a, v[k].b);
+    return {sums8(t), sums8(t + 8)};
+}
 inline float hmax(F x) {
     __m256 v = _mm256_max_ps(x.a, x.b);
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -458,6 +492,19 @@ inline F min(F x, F y) { F r; WAFER_EACH(vminq_f32(x.v[i], y.v[i])); }
 inline F abs(F x) { F r; WAFER_EACH(vabsq_f32(x.v[i])); }
 inline F keep_n(F x, int64_t n) { F r; WAFER_EACH(vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x.v[i]), first_n_q(n, 4 * i)))); }
 inline float sum(F x) { return vaddvq_f32(vaddq_f32(vaddq_f32(x.v[0], x.v[1]), vaddq_f32(x.v[2], x.v[3]))); }
+// Lane k: the sum of v[k]'s lanes, for 16 vectors at once (pairwise adds, the same order for every lane).
+inline F sums16(const F* v) {
+    F r;
+    for (int i = 0; i < 4; ++i) {
+        float32x4_t t[4];
+        for (int k = 0; k < 4; ++k) {
+            const F& x = v[4 * i + k];
+            t[k] = vaddq_f32(vaddq_f32(x.v[0], x.v[1]), vaddq_f32(x.v[2], x.v[3]));
+        }
+        r.v[i] = vpaddq_f32(vpaddq_f32(t[0], t[1]), vpaddq_f32(t[2], t[3]));
+    }
+    return r;
+}
 inline float hmax(F x) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(x.v[0], x.v[1]), vmaxq_f32(x.v[2], x.v[3]))); }
 inline F round_even(F x) { F r; WAFER_EACH(vrndnq_f32(x.v[i])); }
 inline F scale2(F y, F n) {
@@ -598,6 +645,7 @@ inline F min(F x, F y) { F r; WAFER_EACH(x.v[i] < y.v[i] ? x.v[i] : y.v[i]); }
 inline F abs(F x) { F r; WAFER_EACH(std::fabs(x.v[i])); }
 inline F keep_n(F x, int64_t n) { F r; WAFER_EACH(i < n ? x.v[i] : 0.0f); }
 inline float sum(F x) { float s = 0.0f; for (float a : x.v) s += a; return s; }
+inline F sums16(const F* v) { F r; WAFER_EACH(sum(v[i])); }  // lane k: the sum of v[k]'s lanes
 inline float hmax(F x) { float s = x.v[0]; for (float a : x.v) s = a > s ? a : s; return s; }
 inline F round_even(F x) { F r; WAFER_EACH(std::nearbyint(x.v[i])); }
 inline F scale2(F y, F n) { F r; WAFER_EACH(std::ldexp(y.v[i], static_cast<int>(n.v[i]))); }

@@ -209,15 +209,11 @@ class GGUFEmbedding(nn.Module):
         if not ids.numel():  # gguf-py cannot reshape an empty array
             return torch.empty(*ids.shape, self.embedding_dim)
         rows = self.raw[ids.reshape(-1)]
-        if self.qtype == T.Q8_0:
-            # gguf-py's arithmetic (scale times code, in float32) in a few torch calls: its generic
-            # path runs through enough Python and numpy to cost a decode step 0.1 ms or more, its
-            # code evicted from the caches by the step's weights every time.
-            size = GGML_QUANT_SIZES[T.Q8_0][1]  # a float16 scale, then 32 int8 codes
-            blocks = rows.view(rows.shape[0], self.raw.shape[1] // size, size)
-            scale = blocks[:, :, :2].contiguous().view(torch.float16).float()
-            w = blocks[:, :, 2:].view(torch.int8).float() * scale
-            return w.reshape(*ids.shape, self.embedding_dim)
+        if self.qtype in AS_FLOAT:
+            # Bitwise gguf-py's values in a few torch calls: gguf-py's own path runs through enough
+            # Python and numpy to cost a decode step 0.1 ms or more, its code evicted from the
+            # caches by the step's weights every time.
+            return dequantize_f32(rows, self.qtype).reshape(*ids.shape, self.embedding_dim)
         w = np.asarray(dequantize(rows.numpy(), self.qtype), dtype=np.float32)
         return torch.from_numpy(w.reshape(*ids.shape, self.embedding_dim))
 

@@ -105,7 +105,7 @@ def test_q6_k_goes_to_8_bits_within_half_a_step():
     assert bits_for(T.Q6_K, "q4") == 8 and bits_for(T.Q4_K, "q4") == 4 and bits_for(T.Q4_K, "q8") == 8
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0])  # Q8_0 has a path of its own
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0, T.Q5_1])  # Q5_1: gguf-py's path, not dequantize_f32
 def test_embedding_rows_dequantised_on_lookup(qtype):
     raw = random_blocks(qtype, rows=64)
     emb = GGUFEmbedding(raw, qtype, K)

@@ -35,15 +35,16 @@ from wafer.models.quant import BlockLinear  # noqa: E402
 
 
 def mapping(ptr: int) -> tuple[list[str], int]:
-    """The VmFlags and AnonHugePages (kB) of the mapping that holds address `ptr`."""
+    """The VmFlags and the kB on 2 MB pages (AnonHugePages, or FilePmdMapped for records mapped from
+    their cache file) of the mapping that holds address `ptr`."""
     inside, huge = False, 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split(" ", 1)[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= ptr < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            huge = int(line.split()[1])
+            inside, huge = lo <= ptr < hi, 0
+        elif inside and line.startswith(("AnonHugePages:", "FilePmdMapped:")):
+            huge += int(line.split()[1])
         elif inside and line.startswith("VmFlags:"):
             return line.split()[1:], huge
     raise LookupError(hex(ptr))
@@ -59,7 +60,7 @@ def pages(rounds: int, tokens: int) -> list[list[str]]:
     small = mapping(blocks[0].packed.data_ptr())
     if "hg" in small[0] or small[1]:
         raise SystemExit("the 4 KB baseline got huge pages anyway")
-    print(f"wafer's buffer: {huge[1] // 1024} MB on 2 MB pages{'' if 'hg' in huge[0] else ' (THP not advised here)'}")
+    print(f"wafer's buffer: {huge[1] // 1024} MB on 2 MB pages")
     runs = {"2 MB pages (wafer)": engine_runner("q4", on_huge), "4 KB pages": engine_runner("q4", on_small)}
     rates: dict[str, list[float]] = {k: [] for k in runs}
     for run in runs.values():

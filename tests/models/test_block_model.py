@@ -4,6 +4,7 @@ record cache that is used only while it matches, and the real tiers' shapes."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,9 @@ def test_record_cache_is_read_back_and_keyed_by_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(block_model, "_convert", lambda *a: converted.append(a))
     second = load_model(str(gguf), compute="q4")
     assert not converted  # read from the cache
+    if Path("/proc/self/maps").exists():  # mapped from the file, not copied; padded to whole 2 MB pages
+        assert str(images[0]) in Path("/proc/self/maps").read_text()
+        assert images[0].stat().st_size % (2 << 20) == 0
     for (name, a), b in zip(records(first.model).items(), records(second.model).values()):
         assert torch.equal(a, b), name
 

@@ -67,3 +67,26 @@ def test_a_variant_this_cpu_cannot_run_is_refused_clearly():
     assert path == "int8" and f"WAFER_KERNELS={foreign.name}: this CPU" in warning
     path, _, warning = _report({"WAFER_KERNELS": "sse9"}).split("|")
     assert path == "int8" and "choose auto, off or one of" in warning
+
+
+def test_a_built_variant_loads_without_the_build_tools_until_its_sources_change():
+    """A build whose stamp matches csrc/ is imported as it is (no setuptools, no ninja at start-up);
+    a changed source goes back to PyTorch's loader, which rebuilds."""
+    name = kernels.runnable()[-1].name
+    kernels.load(name)  # built and stamped
+    code = (
+        "import sys, types\n"
+        "import torch.utils.cpp_extension as ce\n"
+        "from wafer.models import kernels\n"
+        "calls = []\n"
+        "real = ce.load\n"
+        "ce.load = lambda **kw: calls.append(kw) or types.SimpleNamespace(__file__='elsewhere')\n"
+        f"assert kernels.load({name!r}).variant == {name!r} and not calls\n"
+        "kernels.load.cache_clear()\n"
+        "kernels._fingerprint = lambda v: 'a changed source'\n"
+        f"assert kernels.load({name!r}).__file__ == 'elsewhere' and len(calls) == 1\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    stamp = kernels.build_dir() / name / "sources.sha256"
+    assert stamp.read_text() == kernels._fingerprint(kernels.BY_NAME[name])  # left as it was

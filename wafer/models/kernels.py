@@ -20,6 +20,8 @@ reason is logged at start-up and shown by `wafer info` and `/health` (status()).
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -118,18 +120,40 @@ def _module_name(variant: str) -> str:
     return "wafer_kernels_" + variant.replace("-", "_")
 
 
+def _fingerprint(v: Variant) -> str:
+    """What a variant's build is made from: every file of csrc/ (the headers too) and its flags."""
+    h = hashlib.sha256(" ".join(v.flags).encode())
+    for f in sorted(SOURCE.parent.iterdir()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 @cache
 def load(variant: str) -> ModuleType:
-    """The compiled extension of one variant (built now if set-up did not). Raises on a failed build."""
-    from torch.utils.cpp_extension import load as load_extension
+    """The compiled extension of one variant (built now if set-up did not). Raises on a failed build.
 
+    A build whose stamp matches the sources is imported as it is: PyTorch's loader would import
+    setuptools and run ninja to find that out, a tenth of a second of every start."""
     v = BY_NAME[variant]
     out = build_dir() / variant
+    library, stamp = out / (_module_name(variant) + ".so"), out / "sources.sha256"
+    fingerprint = _fingerprint(v)
+    if library.exists() and stamp.exists() and stamp.read_text() == fingerprint:
+        spec = importlib.util.spec_from_file_location(_module_name(variant), library)
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    from torch.utils.cpp_extension import load as load_extension
+
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob(_module_name(variant) + "*.so")):
         log.warning("building wafer's %s kernels now (set-up normally does: python -m wafer.models.kernels)", variant)
-    return load_extension(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out), verbose=False,
-                          extra_cflags=["-O3", "-fopenmp", *v.flags], extra_ldflags=["-fopenmp"])
+    module = load_extension(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
+                            verbose=False, extra_cflags=["-O3", "-fopenmp", *v.flags], extra_ldflags=["-fopenmp"])
+    if Path(module.__file__ or "") == library:  # not a renamed rebuild (PyTorch's _v1 after a change in-process)
+        stamp.write_text(fingerprint)
+    return module
 
 
 @dataclass

@@ -69,10 +69,13 @@ def tokenizer_from_gguf(data: GGUFTokenizerData, scores: list[float] | None = No
     if data.model == "gpt2":
         alphabet = _byte_alphabet()
         spelled = set(alphabet.values())
-        vocab = {}
-        for i, t in enumerate(data.tokens):
-            key = t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
-            vocab.setdefault(key, i)
+        if set("".join(data.tokens)) <= spelled:  # the usual case, checked at once: 0.1 s for 150k tokens one by one
+            vocab = {t: i for i, t in reversed(list(enumerate(data.tokens)))}  # the first of duplicates wins
+        else:
+            vocab = {}
+            for i, t in enumerate(data.tokens):
+                key = t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
+                vocab.setdefault(key, i)
         merges = [tuple(m.split(" ", 1)) for m in data.merges]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         split = _SPLITS.get(data.pre or "")

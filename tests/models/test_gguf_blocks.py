@@ -12,6 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from wafer.models import blockquant as bq
+from wafer.models.kernels import load, runnable
 from wafer.models.gguf_blocks import (
     AS_FLOAT,
     K4,
@@ -178,3 +179,21 @@ def test_k_records_through_the_kernel_equal_the_files_weights(qtype, fmt):
     want = bq.quantize_activations(x).double() @ reference(raw, qtype).double().T
     err = (got - want).abs().amax(1) / want.abs().amax(1)
     assert (err < 1e-5).all(), err
+
+
+@pytest.mark.parametrize("variant", [v.name for v in runnable()])
+def test_q8_0_embedding_rows_in_the_kernels_are_gguf_pys(variant):
+    """The lookup of SmolLM2's and Gemma 3's Q8_0 tables, in each variant: bitwise gguf-py's rows,
+    subnormal and negative scales included; an id outside the table is refused, not read."""
+    k = load(variant)
+    raw = random_blocks(T.Q8_0, rows=64)
+    raw[5, :2].view(torch.int16).fill_(0x0001)  # the smallest subnormal scale
+    raw[7, 3 * 34 : 3 * 34 + 2].view(torch.int16).fill_(-0x4000)  # -2.0
+    ids = torch.tensor([3, 0, 63, 5, 5, 7])
+    assert torch.equal(k.embed_q8_0(raw, ids), reference(raw, T.Q8_0)[ids])
+    assert k.embed_q8_0(raw, torch.tensor([], dtype=torch.long)).shape == (0, K)
+    for bad in (64, -1):
+        with pytest.raises(RuntimeError, match="a row of the table"):
+            k.embed_q8_0(raw, torch.tensor([1, bad]))
+    with pytest.raises(RuntimeError, match="whole Q8_0 blocks"):
+        k.embed_q8_0(raw[:, :-1], ids)

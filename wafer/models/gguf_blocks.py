@@ -29,6 +29,7 @@ from gguf.quants import Q4_K, dequantize
 from torch import nn
 
 from wafer.models import blockquant as bq
+from wafer.models.kernels import kernels
 
 FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)  # held exactly (to float16 scales) by 4-bit records
 AS_CODES = (*FOUR_BIT, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0)  # held so by 8-bit records
@@ -208,6 +209,8 @@ class GGUFEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not ids.numel():  # gguf-py cannot reshape an empty array
             return torch.empty(*ids.shape, self.embedding_dim)
+        if self.qtype == T.Q8_0 and (k := kernels()) is not None:  # SmolLM2's and Gemma 3's tables
+            return k.embed_q8_0(self.raw, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
         rows = self.raw[ids.reshape(-1)]
         if self.qtype in AS_FLOAT:
             # Bitwise gguf-py's values in a few torch calls: gguf-py's own path runs through enough

@@ -202,7 +202,35 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     return out;
 }
 
-// All three run without the GIL, as PyTorch's own operators do: other Python threads of the process
+// Rows `ids` of an embedding table kept in GGUF's Q8_0 blocks (raw [vocab, row bytes] uint8: for
+// each 32 values a float16 scale d and 32 int8 codes q), as float32 [len(ids), dim]: d * q, the one
+// rounding of gguf-py's arithmetic. One call where PyTorch took several: between decode steps the
+// caches hold none of their code.
+torch::Tensor embed_q8_0(torch::Tensor raw, torch::Tensor ids) {
+    constexpr int64_t kBlock = 2 + wafer::QK;
+    TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1 && raw.size(1) % kBlock == 0,
+                "raw: [vocab, row bytes] uint8, rows contiguous, of whole Q8_0 blocks");
+    TORCH_CHECK(ids.scalar_type() == torch::kInt64, "ids: int64");
+    ids = ids.contiguous();
+    const int64_t n = ids.numel(), blocks = raw.size(1) / kBlock;
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < raw.size(0), "ids: a row of the table");
+    auto out = torch::empty({n, blocks * wafer::QK}, torch::kFloat32);
+    float* o = out.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t* block = raw.data_ptr<uint8_t>() + id[i] * raw.stride(0);
+        for (int64_t b = 0; b < blocks; ++b, block += kBlock, o += wafer::QK) {
+            uint16_t bits;
+            std::memcpy(&bits, block, 2);
+            const float d = simd::half_to_float(bits);
+            const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+            for (int64_t j = 0; j < wafer::QK; ++j) o[j] = d * static_cast<float>(q[j]);
+        }
+    }
+    return out;
+}
+
+// All four run without the GIL, as PyTorch's own operators do: other Python threads of the process
 // (an application that runs the server in a thread, the tests' clients) go on while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
     mod.attr("variant") = simd::kVariant;
@@ -211,5 +239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
     mod.def("block_linear", &block_linear, "x @ W.T, W in wafer's block records (blockquant.py)",
             py::call_guard<py::gil_scoped_release>());
     mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1)",
+            py::call_guard<py::gil_scoped_release>());
+    mod.def("embed_q8_0", &embed_q8_0, "rows of an embedding table in GGUF's Q8_0 blocks, as float32",
             py::call_guard<py::gil_scoped_release>());
 }

@@ -6,11 +6,10 @@ embedding stays in the file's blocks, so no tensor is ever whole in float32 and 
 a load is the final footprint plus a few megabytes. The file is mapped, and each tensor's pages
 are dropped from the process once converted.
 
-Converting takes seconds for a model of a billion parameters, so the records of large models are
-kept on disk (catalog.models_dir() / "records"), and a later load maps that file (_map_cache). A
-cache entry is named by the file (path, size, modification
-time), the compute path and the record format, so an edited file or a new format never reads a
-stale one; WAFER_RECORD_CACHE=off turns it off.
+Converting takes seconds for a model of a billion parameters, so the records are kept on disk
+(catalog.models_dir() / "records"), and a later load maps that file (_map_cache). A cache entry is
+named by the file (path, size, modification time), the compute path and the record format, so an
+edited file or a new format never reads a stale one; WAFER_RECORD_CACHE=off turns it off.
 """
 
 from __future__ import annotations

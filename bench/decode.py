@@ -6,7 +6,8 @@ the median of 5, the repeats taken round-robin over the systems. Decode tokens/s
 after the first, over the time after the first; TTFT is the time to the first token, for the chat
 prompt and for a 1024-token prompt. Then wafer's aggregate rate with 16 sequences decoding together
 (128 tokens each, once a round, against that round's single stream), the bytes a decode step reads,
-and the GB/s that makes against this machine's measured read bandwidth.
+and the GB/s that makes against this machine's read bandwidth, measured in every round beside the
+decode runs (a shared host's bandwidth moves as much as its decoding does).
 
 `--isa avx2`: wafer's AVX2 variant against llama.cpp built for AVX2 only (as on a CPU without
 AVX-512), whatever this CPU has; the default is the best variant against llama.cpp built for every
@@ -213,17 +214,25 @@ def main() -> None:
     # The batch runs in every round too, and is compared with the single stream of its own round.
     batches: list[float] = []
     ratios: list[float] = []
+    # The read bandwidth too, in every round: this host's moves with its load as much as decoding does.
+    bandwidths: list[float] = []
     for _ in range(args.repeats):
         for name, run in systems.items():
             decode[name].append(run(ids)[1])
             short[name].append(run(ids, 1)[0])
+        bandwidths.append(read_bandwidth())
         batches.append(concurrent(loaded, args.concurrency, ids, 128))
         ratios.append(batches[-1] / decode[main_name][-1])
     for _ in range(3):
         for name, run in systems.items():
             long[name].append(run(long_ids, 1)[0])
-    bandwidth = read_bandwidth()
+    bandwidth = statistics.median(bandwidths)
     nbytes = step_bytes(loaded)
+
+    def share(name: str, step: int) -> str:
+        """The median of the rounds' GB/s over the bandwidth measured in the same round, and their range."""
+        each = [step * tok / 1e9 / bw for tok, bw in zip(decode[name], bandwidths)]
+        return f"{statistics.median(each):.0%} ({min(each):.0%} to {max(each):.0%})"
 
     med = {name: (statistics.median(decode[name]), statistics.median(short[name]), statistics.median(long[name]))
            for name in systems}
@@ -244,15 +253,16 @@ def main() -> None:
           f"{statistics.median(ratios):.2f}x its single stream (the median of {args.repeats} rounds' ratios, each to "
           f"the single stream of its own round; {min(ratios):.2f}x to {max(ratios):.2f}x)")
     print(f"{main_name}: a decode step reads {nbytes / 1e6:.1f} MB; at {single:.1f} tokens/s that is "
-          f"{nbytes * single / 1e9:.1f} GB/s, {nbytes * single / 1e9 / bandwidth:.0%} of this machine's measured read "
-          f"bandwidth ({bandwidth:.1f} GB/s, a float32 sum or GEMV over 1 GiB), which allows {bandwidth * 1e9 / nbytes:.0f} "
-          f"tokens/s")
+          f"{nbytes * single / 1e9:.1f} GB/s, {share(main_name, nbytes)} of this machine's measured read bandwidth "
+          f"(each round's decode to the bandwidth measured in that round, a float32 sum or GEMV over 1 GiB; median "
+          f"{bandwidth:.1f} GB/s, {min(bandwidths):.1f} to {max(bandwidths):.1f}, which allows "
+          f"{bandwidth * 1e9 / nbytes:.0f} tokens/s)")
     if lc:
         lc_bytes = gguf_step_bytes(model_path)
         lc_dec = med[base_name][0]
         print(f"{base_name}: a decode step reads {lc_bytes / 1e6:.1f} MB (the file's tensors but the embedding table); at "
               f"{lc_dec:.1f} tokens/s that is {lc_bytes * lc_dec / 1e9:.1f} GB/s, "
-              f"{lc_bytes * lc_dec / 1e9 / bandwidth:.0%} of the measured read bandwidth")
+              f"{share(base_name, lc_bytes)} of the measured read bandwidth")
         lc.close()
 
 

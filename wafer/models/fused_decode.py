@@ -40,19 +40,19 @@ def _norms(layer: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tenso
 
 
 class FusedDecode:
-    def __init__(self, model: LlamaModel | Gemma3Model, ext, tensors: list[torch.Tensor], out_features: list[int],
-                 groups: list[int]) -> None:
+    def __init__(self, model: LlamaModel | Gemma3Model, ext: ModuleType, tensors: list[torch.Tensor],
+                 out_features: list[int], groups: list[int]) -> None:
+        """tensors: per layer its weights, then its K and V pools (then Gemma's norms); then the head's."""
         self.model = model
-        self.ext = ext
-        self.tensors = tensors  # per layer: its weights, then its K and V caches (then Gemma's norms); then the head
-        self.out_features = out_features
         cfg = model.config
         self.gemma = isinstance(model, Gemma3Model)
         windows = [layer.self_attn.window or 0 for layer in model.layers]  # a pipeline stage's own layers
         local = [int(self.gemma and w > 0) for w in windows]  # Gemma 3's windowed layers take the local base
         scale = model.layers[0].self_attn.scale if len(model.layers) else cfg.head_dim**-0.5
-        self.args = (float(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, local, groups,
-                     16 if self.gemma else 12, self.gemma, float(scale))
+        # Checked and held in C++ once: the step then takes only what changes from step to step.
+        self.layers = ext.Model(tensors, out_features, model.norm.weight.detach(), float(cfg.rms_norm_eps),
+                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, local, groups,
+                                16 if self.gemma else 12, self.gemma, float(scale))
 
     @classmethod
     def build(cls, model: LlamaModel | Gemma3Model, caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -101,5 +101,4 @@ class FusedDecode:
         else:
             x = model.embed_tokens(input_ids) if hidden is None else hidden
             rope = (model.rotary.cos, model.rotary.sin, none, none, none)
-        return self.ext.decode_step(x, positions, slots, *rope, tables, self.tensors, self.out_features,
-                                    model.norm.weight.detach(), *self.args, rows)
+        return self.layers.step(x, positions, slots, *rope, tables, rows)

@@ -41,12 +41,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
     return y;
 }
 
-// x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [rows, head_dim]:
-// a token's rotary angles are the row of its position, or, when rope_rows [M] int64 is not empty,
-// the row it names (tables made for the step); cos_local, sin_local (empty: none) are the tables of
-// the layers with local_rope (Gemma 3's windowed layers). tables [groups, slots, max_blocks] int64:
-// each slot's blocks in position order, per group of layers (kv_cache.py: windowed layers have
-// pools and tables of their own).
+// A model's layers for decode steps, checked once when it is made: passing and checking its few
+// hundred tensors on every step cost ~60 us a step, its caches cold after the step's weights.
 // layers: per layer 2 norm weights (before attention, before the MLP), 4 linears (qkv, o, gate_up,
 // down) of 2 tensors each (packed blocks, bias or an empty tensor), then the layer's K and V pools
 // [kv_heads, blocks, block, head_dim] (float32 or bfloat16; int8 rows carry 4 more bytes, their
@@ -54,144 +50,179 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 // norms and the norms of the attention's and the MLP's outputs. After the last layer the output
 // head's 2. out_features: each linear's output size, in the same order. windows: each layer's
 // attention window (0: none); local_rope: whether it takes cos_local and sin_local; groups: its group
-// (of tables; every layer of a group has pools of one size). norm: the final
-// norm's weight. gelu: the MLP's gate is GELU (tanh form), not SiLU. attn_scale: the queries' scale
-// (0: 1 / sqrt(head_dim)). Returns logits [len(logit_rows), vocab] for those rows of x (none when it
-// is empty: a prompt chunk before the last). Without the head's 2 tensors (a pipeline stage before
-// the last) it returns every row's hidden state [M, hidden] after the layers, for the next stage.
-torch::Tensor decode_step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
-                          torch::Tensor sin, torch::Tensor cos_local, torch::Tensor sin_local, torch::Tensor rope_rows,
-                          torch::Tensor tables, std::vector<torch::Tensor> layers, std::vector<int64_t> out_features,
-                          torch::Tensor norm, double eps, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                          std::vector<int64_t> windows, std::vector<int64_t> local_rope, std::vector<int64_t> groups,
-                          int64_t per_layer, bool gelu,
-                          double attn_scale, torch::Tensor logit_rows) {
-    TORCH_CHECK(per_layer == 12 || per_layer == 16, "12 tensors per layer (16 with Gemma 3's norms)");
-    TORCH_CHECK(layers.size() % per_layer == 2 || layers.size() % per_layer == 0, "tensors per layer, and 2 for the head, if any");
-    const bool has_head = static_cast<int64_t>(layers.size()) % per_layer == 2;
-    const int64_t n_layers = static_cast<int64_t>(layers.size()) / per_layer;
-    TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + (has_head ? 1 : 0), "an output size per linear");
-    TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers && static_cast<int64_t>(local_rope.size()) == n_layers &&
-                static_cast<int64_t>(groups.size()) == n_layers, "a window, a RoPE choice and a group per layer");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, hidden] float32");
-    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
-                positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
-    x = x.contiguous();
-    const int64_t hidden = x.size(1), q_dim = n_heads * head_dim;
-    TORCH_CHECK(n_kv > 0 && n_heads % n_kv == 0, "query heads: a whole number per KV head");
-    TORCH_CHECK(n_layers > 0 && layers[10].dim() == 4, "KV pools: [kv_heads, blocks, block, head_dim]");
-    const int64_t block = layers[10].size(2);
-    TORCH_CHECK(block > 0 && (block & (block - 1)) == 0, "KV blocks: a power of two of positions");
-    const auto kv_dtype = layers[10].scalar_type();
-    TORCH_CHECK(kv_dtype == torch::kFloat32 || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kInt8,
-                "KV caches: float32, bfloat16 or int8");
-    const wafer::KVType kv_type = kv_dtype == torch::kFloat32    ? wafer::KVType::f32
-                                  : kv_dtype == torch::kBFloat16 ? wafer::KVType::bf16
-                                                                 : wafer::KVType::i8;
-    const int64_t row = kv_type == wafer::KVType::i8 ? head_dim + 4 : head_dim;
-    TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 3 && tables.is_contiguous(),
-                "tables: contiguous [groups, slots, max_blocks] int64");
-    const int64_t n_groups = tables.size(0), n_slots = tables.size(1), stride = tables.size(2);
-    std::vector<int64_t> n_blocks(n_groups, 0);  // each group's pool size, from its layers' pools
-    for (int64_t l = 0; l < n_layers; ++l) {
-        TORCH_CHECK(groups[l] >= 0 && groups[l] < n_groups, "a layer's group has tables");
-        const int64_t have = layers[per_layer * l + 10].size(1);
-        TORCH_CHECK(n_blocks[groups[l]] == 0 || n_blocks[groups[l]] == have, "the pools of a group's layers have the same blocks");
-        n_blocks[groups[l]] = have;
+// (of tables; every layer of a group has pools of one size). norm: the final norm's weight [hidden].
+// gelu: the MLP's gate is GELU (tanh form), not SiLU. attn_scale: the queries' scale (0: 1 /
+// sqrt(head_dim)). It holds the tensors, so they live as long as it.
+class Model {
+  public:
+    Model(std::vector<torch::Tensor> layers, std::vector<int64_t> out_features, torch::Tensor norm, double eps,
+          int64_t n_heads, int64_t n_kv, int64_t head_dim, std::vector<int64_t> windows,
+          std::vector<int64_t> local_rope, std::vector<int64_t> groups, int64_t per_layer, bool gelu,
+          double attn_scale)
+        : keep_(std::move(layers)), groups_(std::move(groups)) {
+        const std::vector<torch::Tensor>& t = keep_;
+        keep_.push_back(norm);
+        TORCH_CHECK(per_layer == 12 || per_layer == 16, "12 tensors per layer (16 with Gemma 3's norms)");
+        const int64_t n = static_cast<int64_t>(t.size()) - 1;
+        TORCH_CHECK(n % per_layer == 2 || n % per_layer == 0, "tensors per layer, and 2 for the head, if any");
+        has_head_ = n % per_layer == 2;
+        const int64_t n_layers = n / per_layer;
+        TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * n_layers + (has_head_ ? 1 : 0),
+                    "an output size per linear");
+        TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers && static_cast<int64_t>(local_rope.size()) == n_layers &&
+                    static_cast<int64_t>(groups_.size()) == n_layers, "a window, a RoPE choice and a group per layer");
+        TORCH_CHECK(n_kv > 0 && n_heads % n_kv == 0, "query heads: a whole number per KV head");
+        TORCH_CHECK(n_layers > 0 && t[10].dim() == 4, "KV pools: [kv_heads, blocks, block, head_dim]");
+        TORCH_CHECK(norm.dim() == 1, "norm: [hidden]");
+        hidden_ = norm.numel();
+        const int64_t q_dim = n_heads * head_dim;
+        block_ = t[10].size(2);
+        TORCH_CHECK(block_ > 0 && (block_ & (block_ - 1)) == 0, "KV blocks: a power of two of positions");
+        const auto kv_dtype = t[10].scalar_type();
+        TORCH_CHECK(kv_dtype == torch::kFloat32 || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kInt8,
+                    "KV caches: float32, bfloat16 or int8");
+        const wafer::KVType kv_type = kv_dtype == torch::kFloat32    ? wafer::KVType::f32
+                                      : kv_dtype == torch::kBFloat16 ? wafer::KVType::bf16
+                                                                     : wafer::KVType::i8;
+        const int64_t row = kv_type == wafer::KVType::i8 ? head_dim + 4 : head_dim;
+        for (int64_t l = 0; l < n_layers; ++l) {
+            TORCH_CHECK(groups_[l] >= 0, "a layer's group is 0 or more");
+            if (groups_[l] >= static_cast<int64_t>(n_blocks_.size())) n_blocks_.resize(groups_[l] + 1, 0);
+            const int64_t have = t[per_layer * l + 10].size(1);
+            TORCH_CHECK(n_blocks_[groups_[l]] == 0 || n_blocks_[groups_[l]] == have,
+                        "the pools of a group's layers have the same blocks");
+            n_blocks_[groups_[l]] = have;
+        }
+        auto lin = [&](size_t i, int64_t in, int64_t out) {
+            const torch::Tensor& packed = t[i];
+            check_packed(packed, in, out);
+            const torch::Tensor& bias = t[i + 1];
+            return wafer::Linear{packed.data_ptr<uint8_t>(), format_of(packed), bias.numel() ? bias.data_ptr<float>() : nullptr,
+                                 in, out};
+        };
+        auto weight = [&](const torch::Tensor& w, int64_t size) {
+            TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == size,
+                        "a norm's weight: float32 [n]");
+            return w.data_ptr<float>();
+        };
+        for (int64_t l = 0; l < n_layers; ++l) {
+            const size_t b = per_layer * l;
+            const int64_t* nout = out_features.data() + 4 * l;
+            const torch::Tensor &kc = t[b + 10], &vc = t[b + 11];
+            TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(0) == n_kv &&
+                        kc.size(2) == block_ && kc.size(3) == row && vc.sizes() == kc.sizes() &&
+                        kc.scalar_type() == kv_dtype && vc.scalar_type() == kv_dtype,
+                        "KV caches: contiguous [kv_heads, blocks, block, head_dim (+4 for int8's scale)], all of one dtype");
+            wafer::Layer L{weight(t[b], hidden_), weight(t[b + 1], hidden_), lin(b + 2, hidden_, nout[0]),
+                           lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden_, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
+                           kc.data_ptr(), vc.data_ptr()};
+            if (per_layer == 16) {
+                L.q_norm = weight(t[b + 12], head_dim);
+                L.k_norm = weight(t[b + 13], head_dim);
+                L.attn_out_norm = weight(t[b + 14], hidden_);
+                L.mlp_out_norm = weight(t[b + 15], hidden_);
+            }
+            TORCH_CHECK(windows[l] >= 0, "a window is 0 (none) or more");
+            L.window = windows[l];
+            L.local_rope = local_rope[l] != 0;
+            L.blocks = n_blocks_[groups_[l]];
+            layers_.push_back(L);
+        }
+        head_ = has_head_ ? lin(per_layer * n_layers, hidden_, out_features.back()) : wafer::Linear{nullptr, 8, nullptr, hidden_, hidden_};
+        norm_ = weight(norm, hidden_);
+        dims_ = wafer::Dims{hidden_, n_heads, n_kv, head_dim, 0, static_cast<float>(eps), kv_type};
+        dims_.gelu = gelu;
+        dims_.attn_scale = static_cast<float>(attn_scale);
     }
-    cos = cos.contiguous();
-    sin = sin.contiguous();
-    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
-                sin.scalar_type() == torch::kFloat32, "cos, sin: [rows, head_dim] float32");
-    const bool two_bases = cos_local.numel() > 0;
-    if (two_bases) {
-        cos_local = cos_local.contiguous();
-        sin_local = sin_local.contiguous();
-        TORCH_CHECK(cos_local.sizes() == cos.sizes() && sin_local.sizes() == cos.sizes() &&
-                    cos_local.scalar_type() == torch::kFloat32 && sin_local.scalar_type() == torch::kFloat32,
-                    "cos_local, sin_local: as cos");
-    }
-    const bool own_rows = rope_rows.numel() > 0;
-    if (own_rows) {
-        TORCH_CHECK(rope_rows.scalar_type() == torch::kInt64 && rope_rows.numel() == x.size(0), "rope_rows: [M] int64");
-        rope_rows = rope_rows.contiguous();
-        const int64_t* r = rope_rows.data_ptr<int64_t>();
-        for (int64_t m = 0; m < x.size(0); ++m) TORCH_CHECK(r[m] >= 0 && r[m] < cos.size(0), "rope_rows: a row of cos");
-    }
-    {  // every block a token writes or reads must lie in the pools
-        const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
-        const int64_t* t = tables.data_ptr<int64_t>();
-        for (int64_t m = 0; m < x.size(0); ++m) {
-            TORCH_CHECK(slot[m] >= 0 && slot[m] < n_slots && pos[m] >= 0 && (own_rows || pos[m] < cos.size(0)) &&
-                        pos[m] / block < stride, "a token's slot or position lies outside the tables");
-            for (int64_t g = 0; g < n_groups; ++g) {
-                if (n_blocks[g] == 0) continue;  // a group with none of this stage's layers
-                const int64_t* r = t + (g * n_slots + slot[m]) * stride;
-                for (int64_t i = 0; i <= pos[m] / block; ++i)
-                    TORCH_CHECK(r[i] >= 0 && r[i] < n_blocks[g], "a table names a block outside the pools");
+
+    // One step. x [M, hidden]: the tokens' embeddings. positions, slots [M] int64. cos, sin [rows,
+    // head_dim]: a token's rotary angles are the row of its position, or, when rope_rows [M] int64 is
+    // not empty, the row it names (tables made for the step); cos_local, sin_local (empty: none) are
+    // the tables of the layers with local_rope (Gemma 3's windowed layers). tables [groups, slots,
+    // max_blocks] int64: each slot's blocks in position order, per group of layers (kv_cache.py:
+    // windowed layers have pools and tables of their own). Returns logits [len(logit_rows), vocab]
+    // for those rows of x (none when it is empty: a prompt chunk before the last). Without a head (a
+    // pipeline stage before the last) it returns every row's hidden state [M, hidden] after the
+    // layers, for the next stage.
+    torch::Tensor step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
+                       torch::Tensor sin, torch::Tensor cos_local, torch::Tensor sin_local, torch::Tensor rope_rows,
+                       torch::Tensor tables, torch::Tensor logit_rows) const {
+        TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == hidden_, "x: [M, hidden] float32");
+        TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
+                    positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
+        x = x.contiguous();
+        positions = positions.contiguous();
+        slots = slots.contiguous();
+        const int64_t head_dim = dims_.head_dim;
+        TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 3 && tables.is_contiguous(),
+                    "tables: contiguous [groups, slots, max_blocks] int64");
+        const int64_t n_groups = tables.size(0), n_slots = tables.size(1), stride = tables.size(2);
+        TORCH_CHECK(n_groups >= static_cast<int64_t>(n_blocks_.size()), "a layer's group has tables");
+        cos = cos.contiguous();
+        sin = sin.contiguous();
+        TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
+                    sin.scalar_type() == torch::kFloat32, "cos, sin: [rows, head_dim] float32");
+        const bool two_bases = cos_local.numel() > 0;
+        if (two_bases) {
+            cos_local = cos_local.contiguous();
+            sin_local = sin_local.contiguous();
+            TORCH_CHECK(cos_local.sizes() == cos.sizes() && sin_local.sizes() == cos.sizes() &&
+                        cos_local.scalar_type() == torch::kFloat32 && sin_local.scalar_type() == torch::kFloat32,
+                        "cos_local, sin_local: as cos");
+        }
+        for (const wafer::Layer& L : layers_) TORCH_CHECK(!L.local_rope || two_bases, "a layer takes cos_local, which is empty");
+        const bool own_rows = rope_rows.numel() > 0;
+        if (own_rows) {
+            TORCH_CHECK(rope_rows.scalar_type() == torch::kInt64 && rope_rows.numel() == x.size(0), "rope_rows: [M] int64");
+            rope_rows = rope_rows.contiguous();
+            const int64_t* r = rope_rows.data_ptr<int64_t>();
+            for (int64_t m = 0; m < x.size(0); ++m) TORCH_CHECK(r[m] >= 0 && r[m] < cos.size(0), "rope_rows: a row of cos");
+        }
+        {  // every block a token writes or reads must lie in the pools
+            const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
+            const int64_t* t = tables.data_ptr<int64_t>();
+            for (int64_t m = 0; m < x.size(0); ++m) {
+                TORCH_CHECK(slot[m] >= 0 && slot[m] < n_slots && pos[m] >= 0 && (own_rows || pos[m] < cos.size(0)) &&
+                            pos[m] / block_ < stride, "a token's slot or position lies outside the tables");
+                for (int64_t g = 0; g < static_cast<int64_t>(n_blocks_.size()); ++g) {
+                    if (n_blocks_[g] == 0) continue;  // a group with none of this stage's layers
+                    const int64_t* r = t + (g * n_slots + slot[m]) * stride;
+                    for (int64_t i = 0; i <= pos[m] / block_; ++i)
+                        TORCH_CHECK(r[i] >= 0 && r[i] < n_blocks_[g], "a table names a block outside the pools");
+                }
             }
         }
-    }
-    auto lin = [&](size_t i, int64_t in, int64_t out) {
-        const torch::Tensor& packed = layers[i];
-        check_packed(packed, in, out);
-        const torch::Tensor& bias = layers[i + 1];
-        return wafer::Linear{packed.data_ptr<uint8_t>(), format_of(packed), bias.numel() ? bias.data_ptr<float>() : nullptr,
-                             in, out};
-    };
-    auto weight = [&](const torch::Tensor& w, int64_t n) {
-        TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == n, "a norm's weight: float32 [n]");
-        return w.data_ptr<float>();
-    };
-    std::vector<wafer::Layer> ls;
-    for (int64_t l = 0; l < n_layers; ++l) {
-        const size_t b = per_layer * l;
-        const int64_t* nout = out_features.data() + 4 * l;
-        torch::Tensor kc = layers[b + 10], vc = layers[b + 11];
-        TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(0) == n_kv &&
-                    kc.size(2) == block && kc.size(3) == row && vc.sizes() == kc.sizes() &&
-                    kc.scalar_type() == kv_dtype && vc.scalar_type() == kv_dtype,
-                    "KV caches: contiguous [kv_heads, blocks, block, head_dim (+4 for int8's scale)], all of one dtype");
-
-        wafer::Layer L{weight(layers[b], hidden), weight(layers[b + 1], hidden), lin(b + 2, hidden, nout[0]),
-                       lin(b + 4, q_dim, nout[1]), lin(b + 6, hidden, nout[2]), lin(b + 8, nout[2] / 2, nout[3]),
-                       kc.data_ptr(), vc.data_ptr()};
-        if (per_layer == 16) {
-            L.q_norm = weight(layers[b + 12], head_dim);
-            L.k_norm = weight(layers[b + 13], head_dim);
-            L.attn_out_norm = weight(layers[b + 14], hidden);
-            L.mlp_out_norm = weight(layers[b + 15], hidden);
+        std::vector<wafer::Layer> ls = layers_;
+        for (size_t l = 0; l < ls.size(); ++l) ls[l].table = tables.data_ptr<int64_t>() + groups_[l] * n_slots * stride;
+        TORCH_CHECK(logit_rows.scalar_type() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows: [R] int64");
+        logit_rows = logit_rows.contiguous();
+        const int64_t* rows = logit_rows.data_ptr<int64_t>();
+        for (int64_t i = 0; i < logit_rows.numel(); ++i) TORCH_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "logit_rows: a row of x");
+        auto logits = has_head_ ? torch::empty({logit_rows.numel(), head_.out}, torch::kFloat32)
+                                : torch::empty({x.size(0), hidden_}, torch::kFloat32);
+        wafer::Rope rope;
+        if (two_bases) {
+            rope.cos_local = cos_local.data_ptr<float>();
+            rope.sin_local = sin_local.data_ptr<float>();
         }
-        TORCH_CHECK(windows[l] >= 0, "a window is 0 (none) or more");
-        L.window = windows[l];
-        L.local_rope = local_rope[l] != 0;
-        L.table = tables.data_ptr<int64_t>() + groups[l] * n_slots * stride;
-        L.blocks = n_blocks[groups[l]];
-        TORCH_CHECK(!L.local_rope || two_bases, "a layer takes cos_local, which is empty");
-        ls.push_back(L);
+        if (own_rows) rope.row = rope_rows.data_ptr<int64_t>();
+        wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                           wafer::Tables{tables.data_ptr<int64_t>(), stride, block_, n_blocks_[groups_[0]]},
+                           cos.data_ptr<float>(), sin.data_ptr<float>(), ls, norm_, head_, dims_, rows,
+                           logit_rows.numel(), logits.data_ptr<float>(), rope);
+        return logits;
     }
-    const wafer::Linear head = has_head ? lin(per_layer * n_layers, hidden, out_features.back()) : wafer::Linear{nullptr, 8, nullptr, hidden, hidden};
-    TORCH_CHECK(logit_rows.scalar_type() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows: [R] int64");
-    logit_rows = logit_rows.contiguous();
-    const int64_t* rows = logit_rows.data_ptr<int64_t>();
-    for (int64_t i = 0; i < logit_rows.numel(); ++i) TORCH_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "logit_rows: a row of x");
-    auto logits = has_head ? torch::empty({logit_rows.numel(), head.out}, torch::kFloat32)
-                           : torch::empty({x.size(0), hidden}, torch::kFloat32);
-    wafer::Dims dims{hidden, n_heads, n_kv, head_dim, 0, static_cast<float>(eps), kv_type};
-    dims.gelu = gelu;
-    dims.attn_scale = static_cast<float>(attn_scale);
-    wafer::Rope rope;
-    if (two_bases) {
-        rope.cos_local = cos_local.data_ptr<float>();
-        rope.sin_local = sin_local.data_ptr<float>();
-    }
-    if (own_rows) rope.row = rope_rows.data_ptr<int64_t>();
-    wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                       wafer::Tables{tables.data_ptr<int64_t>(), stride, block, n_blocks[groups[0]]},
-                       cos.data_ptr<float>(), sin.data_ptr<float>(), ls, weight(norm, hidden), head, dims, rows,
-                       logit_rows.numel(), logits.data_ptr<float>(), rope);
-    return logits;
-}
+
+  private:
+    std::vector<torch::Tensor> keep_;  // the layers' tensors, the head's and the norm
+    std::vector<int64_t> groups_, n_blocks_;  // each layer's group; each group's pool size (0: no layer of it)
+    std::vector<wafer::Layer> layers_;  // all but their tables, which come with each step
+    wafer::Linear head_{};
+    bool has_head_ = false;
+    const float* norm_ = nullptr;
+    wafer::Dims dims_{};
+    int64_t block_ = 0, hidden_ = 0;
+};
 
 // The greedy token of each row of logits [M, V] (argmax_rows in blockquant.h).
 torch::Tensor argmax_rows(torch::Tensor x) {
@@ -230,12 +261,15 @@ torch::Tensor embed_q8_0(torch::Tensor raw, torch::Tensor ids) {
     return out;
 }
 
-// All four run without the GIL, as PyTorch's own operators do: other Python threads of the process
+// The step and all three functions run without the GIL, as PyTorch's own operators do: other Python threads of the process
 // (an application that runs the server in a thread, the tests' clients) go on while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
     mod.attr("variant") = simd::kVariant;
-    mod.def("decode_step", &decode_step, "one step of every layer for a few tokens (decode.h)",
-            py::call_guard<py::gil_scoped_release>());
+    // Local to each variant's module: a process may load several (the tests do), each with its Model.
+    py::class_<Model>(mod, "Model", "a model's layers for decode steps (decode.h), checked once", py::module_local())
+        .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, torch::Tensor, double, int64_t, int64_t, int64_t,
+                      std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool, double>())
+        .def("step", &Model::step, "one step of every layer for a few tokens", py::call_guard<py::gil_scoped_release>());
     mod.def("block_linear", &block_linear, "x @ W.T, W in wafer's block records (blockquant.py)",
             py::call_guard<py::gil_scoped_release>());
     mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1)",

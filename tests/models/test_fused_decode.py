@@ -175,3 +175,27 @@ def test_a_token_gets_the_same_logits_in_a_run_of_its_sequence_as_alone(six_head
         for i in range(count):
             alone = runner.run([ScheduledSeq(seq, start + i, 1)], all_logits=True)[0]
             assert torch.equal(alone, run[i]), (start, i)
+
+
+def test_a_step_outside_the_caches_is_refused_before_it_computes():
+    """The layers are checked once when the step is made; each step's own inputs are checked on
+    every call, since a wrong table or position would read or write outside the KV pools."""
+    q4 = load_model(compute="q4")
+    kv = KVCache(q4.config, 2, 64)
+    fused = FusedDecode.build(q4.model, kv.layers, kv.layer_group)
+    assert fused is not None
+    ids, pos, slots, rows = torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 1])
+    tables = torch.zeros(1, 2, kv.tables.shape[-1], dtype=torch.long)  # both slots on block 0
+    assert fused(ids, pos, slots, tables, rows).shape == (2, q4.config.vocab_size)
+    bad = tables.clone()
+    bad[0, 1, 0] = kv.layers[0][0].shape[1]  # one past the pool's last block
+    cases = [
+        ((ids, pos, slots, bad, rows), "a table names a block outside the pools"),
+        ((ids, pos, torch.tensor([0, 2]), tables, rows), "outside the tables"),
+        ((ids, torch.tensor([0, -1]), slots, tables, rows), "outside the tables"),
+        ((ids, pos, slots, tables, torch.tensor([0, 2])), "logit_rows: a row of x"),
+        ((ids, pos, slots, tables[:, :, :0], rows), "outside the tables"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            fused(*args)

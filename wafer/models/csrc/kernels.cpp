@@ -59,11 +59,10 @@ class Model {
           int64_t n_heads, int64_t n_kv, int64_t head_dim, std::vector<int64_t> windows,
           std::vector<int64_t> local_rope, std::vector<int64_t> groups, int64_t per_layer, bool gelu,
           double attn_scale)
-        : keep_(std::move(layers)), groups_(std::move(groups)) {
+        : keep_(std::move(layers)), norm_tensor_(norm), groups_(std::move(groups)) {
         const std::vector<torch::Tensor>& t = keep_;
-        keep_.push_back(norm);
         TORCH_CHECK(per_layer == 12 || per_layer == 16, "12 tensors per layer (16 with Gemma 3's norms)");
-        const int64_t n = static_cast<int64_t>(t.size()) - 1;
+        const int64_t n = static_cast<int64_t>(t.size());
         TORCH_CHECK(n % per_layer == 2 || n % per_layer == 0, "tensors per layer, and 2 for the head, if any");
         has_head_ = n % per_layer == 2;
         const int64_t n_layers = n / per_layer;
@@ -125,6 +124,7 @@ class Model {
             TORCH_CHECK(windows[l] >= 0, "a window is 0 (none) or more");
             L.window = windows[l];
             L.local_rope = local_rope[l] != 0;
+            two_bases_ = two_bases_ || L.local_rope;
             L.blocks = n_blocks_[groups_[l]];
             layers_.push_back(L);
         }
@@ -170,7 +170,7 @@ class Model {
                         cos_local.scalar_type() == torch::kFloat32 && sin_local.scalar_type() == torch::kFloat32,
                         "cos_local, sin_local: as cos");
         }
-        for (const wafer::Layer& L : layers_) TORCH_CHECK(!L.local_rope || two_bases, "a layer takes cos_local, which is empty");
+        TORCH_CHECK(two_bases || !two_bases_, "a layer takes cos_local, which is empty");
         const bool own_rows = rope_rows.numel() > 0;
         if (own_rows) {
             TORCH_CHECK(rope_rows.scalar_type() == torch::kInt64 && rope_rows.numel() == x.size(0), "rope_rows: [M] int64");
@@ -214,11 +214,13 @@ class Model {
     }
 
   private:
-    std::vector<torch::Tensor> keep_;  // the layers' tensors, the head's and the norm
+    std::vector<torch::Tensor> keep_;  // the layers' tensors and the head's
+    torch::Tensor norm_tensor_;
     std::vector<int64_t> groups_, n_blocks_;  // each layer's group; each group's pool size (0: no layer of it)
     std::vector<wafer::Layer> layers_;  // all but their tables, which come with each step
     wafer::Linear head_{};
     bool has_head_ = false;
+    bool two_bases_ = false;  // some layer takes cos_local (Gemma 3's windowed layers)
     const float* norm_ = nullptr;
     wafer::Dims dims_{};
     int64_t block_ = 0, hidden_ = 0;

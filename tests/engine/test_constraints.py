@@ -1,41 +1,83 @@
 """The completion searches that let a constrained reply finish within max_tokens share one budget per
-engine step: a search beyond it waits for the next step and goes first there."""
+engine step: a search beyond it waits for the next step and goes first there, but only where the
+tokens left allow the unrestricted token sampled meanwhile."""
 
 from __future__ import annotations
 
 import json
 
+import torch
 from llguidance import LLMatcher
 
-from wafer.engine.constraints import Constraints
+from wafer.engine.constraints import WINDOW, Constraints, mask_logits
 
 # An object whose shortest completion from the start is long enough to need a search of many steps.
 SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(6)},
           "required": [f"field_{i}" for i in range(6)]}
 
 
-def test_a_search_past_the_steps_budget_waits_one_step_then_goes_first(smollm):
+def _grammar() -> str:
+    return LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
+
+
+def test_a_first_search_runs_even_when_the_steps_budget_is_spent(smollm):
     constraints = Constraints(smollm.tokenizer)
-    grammar = LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
-    first, second, third = (constraints.matcher(grammar) for _ in range(3))
-
+    first, second = constraints.matcher(_grammar()), constraints.matcher(_grammar())
     constraints.new_step()
-    plan = first.completion()
+    plan = first.completion(tokens_left=500)
     assert plan, "the first search of a step always runs"
-    text = constraints.llt.decode_bytes(plan).decode()
-    assert json.loads(text).keys() == SCHEMA["properties"].keys()  # it finishes the object
-    spent = 2_000 - constraints.step_fuel
-    assert spent > 0
-
+    assert json.loads(constraints.llt.decode_bytes(plan).decode()).keys() == SCHEMA["properties"].keys()
+    assert constraints.step_fuel < 2_000
     constraints.step_fuel = 0  # this step's budget gone (as after several searches)
-    assert second.completion() is None and third.completion() is None  # both put off
+    # No earlier completion tells how much slack there is: it cannot wait.
+    assert second.completion(tokens_left=500) == plan
+
+
+def test_a_search_with_slack_waits_one_step_then_goes_first(smollm):
+    constraints = Constraints(smollm.tokenizer)
+    matchers = [constraints.matcher(_grammar()) for _ in range(3)]
+    constraints.new_step()
+    plans = [m.completion(tokens_left=500) for m in matchers]
+    opening = plans[0][0]
+    for m in matchers:
+        assert m.consume_token(opening)  # "{" or its like: the completion is stale again
+    n = len(plans[0])
 
     constraints.new_step()
     constraints.step_fuel = 0
-    assert second.completion() == plan and third.completion() == plan  # put off once: they go, budget or not
+    roomy, tight, unknown = matchers
+    assert roomy.completion(tokens_left=n + 2 * WINDOW + 1) is None  # put off to the next step
+    assert tight.completion(tokens_left=n + 2 * WINDOW)  # too little slack to wait
+    assert unknown.completion() is not None  # no tokens_left given: nothing to wait on
     assert constraints.step_fuel < 0
 
     constraints.new_step()
-    assert constraints.step_fuel == 2_000
-    assert second.completion() == plan  # kept: no new search
-    assert constraints.step_fuel == 2_000
+    constraints.step_fuel = 0
+    again = roomy.completion(tokens_left=n + 2 * WINDOW + 1)  # put off once: it goes, budget or not
+    assert again and again == tight.completion(tokens_left=n)
+    constraints.new_step()
+    assert roomy.completion(tokens_left=500) == again and constraints.step_fuel == 2_000  # kept
+
+
+def test_a_reply_with_no_slack_finishes_though_every_steps_budget_is_spent(smollm):
+    """max_tokens equal to the shortest reply, the step's fuel gone on every step (many constrained
+    sequences beside it), and random logits: the reply must still be the whole object in time."""
+    constraints = Constraints(smollm.tokenizer)
+    probe = constraints.matcher(_grammar())
+    budget = len(probe.completion(tokens_left=500))
+    vocab = smollm.tokenizer.vocab_size
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(seed)
+        matcher = constraints.matcher(_grammar())
+        out: list[int] = []
+        for step in range(budget):
+            constraints.new_step()
+            constraints.step_fuel = 0
+            logits = torch.randn(vocab, generator=generator)
+            mask_logits(logits, matcher, tokens_left=budget - step)
+            token = int(torch.argmax(logits))
+            assert matcher.consume_token(token)
+            out.append(token)
+        assert matcher.is_accepting(), f"seed {seed}: unfinished after {budget} tokens"
+        reply = json.loads(constraints.llt.decode_bytes(out).decode())
+        assert reply.keys() == SCHEMA["properties"].keys()

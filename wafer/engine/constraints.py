@@ -35,7 +35,10 @@ _MAX_COMPLETION_BYTES = 2048
 _SEARCH_FUEL = 2_000
 # And of all the searches of one engine step together: beyond it a sequence's search waits for the
 # next step (and goes first there), so that several constrained sequences near their ends at once (a
-# request's n choices) do not each add their 35 ms to the step. A wait costs a token of WINDOW.
+# request's n choices) do not each add their 35 ms to the step. The token sampled meanwhile is not
+# restricted, so only a sequence whose last completion left it twice WINDOW of slack may wait: a first
+# search, or one with less slack, runs whatever the step has spent (max_tokens equal to the shortest
+# call leaves none).
 _STEP_FUEL = 2_000
 _LOOKAHEAD = 4  # characters tried where the grammar allows several and none is forced
 _PRINTABLE = [chr(c) for c in range(0x30, 0x7F)] + [chr(c) for c in range(0x20, 0x30)]
@@ -245,12 +248,15 @@ class GrammarMatcher:
             self._stale = True
         return ok
 
-    def completion(self) -> list[int] | None:
+    def completion(self, tokens_left: int | None = None) -> list[int] | None:
         """The tokens of the shortest way found to finish the grammar from here ([] if it may end
-        here; None if none was found, or if this step's searches have spent their fuel: then the
-        next step's search is this one's first)."""
+        here; None if none was found, or if this step's searches have spent their fuel and the
+        tokens left, against the last completion, allow a wait: then the next step's search is this
+        one's first)."""
         if self._stale:
-            if self.constraints.step_fuel <= 0 and not self._waited:
+            may_wait = (tokens_left is not None and self._completion is not None
+                        and tokens_left > len(self._completion) + 2 * WINDOW)
+            if may_wait and self.constraints.step_fuel <= 0 and not self._waited:
                 self._waited = True
                 return None
             self._waited = False
@@ -322,12 +328,12 @@ class GrammarMatcher:
             return
         if self._stale and self._completion and tokens_left > 2 * (len(self._completion) + WINDOW) + 16:
             return  # far from the end by the last count: one token seldom doubles a completion
-        plan = self.completion()
+        plan = self.completion(tokens_left)
         if not plan or tokens_left > len(plan) + WINDOW:
             return
         if logits[plan[0]] == float("-inf"):  # kept from before more of a value was written
             self._stale = True
-            plan = self.completion()
+            plan = self.completion(tokens_left)
             if not plan:
                 return
         keep = torch.zeros(logits.numel(), dtype=torch.bool)

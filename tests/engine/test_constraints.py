@@ -81,3 +81,32 @@ def test_a_reply_with_no_slack_finishes_though_every_steps_budget_is_spent(smoll
         assert matcher.is_accepting(), f"seed {seed}: unfinished after {budget} tokens"
         reply = json.loads(constraints.llt.decode_bytes(out).decode())
         assert reply.keys() == SCHEMA["properties"].keys()
+
+
+def test_a_primed_matcher_and_its_copies_start_with_their_completion(smollm):
+    """The request's matcher searches once where the request is prepared; each sequence's copy then
+    needs no search of its own in a step, and may wait at its next one."""
+    constraints = Constraints(smollm.tokenizer)
+    compiled = constraints.matcher(_grammar())
+    compiled.prime()
+    plan = compiled.completion()
+    constraints.new_step()
+    constraints.step_fuel = 0
+    copy = compiled.deep_copy()
+    assert copy.completion(tokens_left=len(plan)) == plan and constraints.step_fuel == 0  # no search
+    assert copy.consume_token(plan[0])
+    assert copy.completion(tokens_left=len(plan) + 2 * WINDOW + 1) is None  # a known length: it may wait
+
+
+def test_after_an_empty_completion_the_next_search_does_not_wait(smollm):
+    """A grammar that could end (a tool call not yet opened) says nothing of the length of what its
+    next token opens: that search runs now."""
+    constraints = Constraints(smollm.tokenizer)
+    grammar = LLMatcher.grammar_from_lark('start: obj?\nobj: "{\\"note\\": \\"" /[a-z]+/ "\\", \\"n\\": " /[0-9]+/ "}"')
+    matcher = constraints.matcher(grammar)
+    constraints.new_step()
+    assert matcher.completion(tokens_left=500) == []
+    assert matcher.consume_token(constraints.llt.tokenize_str("{")[0])
+    constraints.step_fuel = 0
+    plan = matcher.completion(tokens_left=500)
+    assert plan, "searched although the step's fuel was spent"

@@ -116,8 +116,12 @@ class AsyncEngine:
         self.engine.constraints.check(grammar)
 
     def compile_grammar(self, grammar: str) -> GrammarMatcher:
-        """A matcher for `grammar`, to pass as SamplingParams.compiled (each sequence gets a copy)."""
-        return self.engine.constraints.matcher(grammar)
+        """A matcher for `grammar`, to pass as SamplingParams.compiled (each sequence gets a copy),
+        with its completion from the start already searched (the caller prepares the request off the
+        loop)."""
+        matcher = self.engine.constraints.matcher(grammar)
+        matcher.prime()
+        return matcher
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str = "",

@@ -240,7 +240,15 @@ class GrammarMatcher:
         """A matcher in the same state (a grammar compiled once serves each sequence of a request)."""
         twin = GrammarMatcher(self.inner.deep_copy(), self.constraints)
         twin.scan = copy.deepcopy(self.scan)
+        twin._completion, twin._stale = self._completion, self._stale
         return twin
+
+    def prime(self) -> None:
+        """Search for the completion from here now, outside the engine's step and its fuel: where a
+        request is prepared, so that a sequence's first search, which cannot wait, is not one more in
+        a step beside every other stream's work."""
+        if self._stale:
+            self._completion, self._stale = self._complete(), False
 
     def consume_token(self, token: int) -> bool:
         ok = self.inner.consume_token(token)
@@ -254,7 +262,9 @@ class GrammarMatcher:
         tokens left, against the last completion, allow a wait: then the next step's search is this
         one's first)."""
         if self._stale:
-            may_wait = (tokens_left is not None and self._completion is not None
+            # An empty last completion (the grammar could end there, as a lazy tool grammar before
+            # its call opens) tells nothing of the one after the next token.
+            may_wait = (tokens_left is not None and bool(self._completion)
                         and tokens_left > len(self._completion) + 2 * WINDOW)
             if may_wait and self.constraints.step_fuel <= 0 and not self._waited:
                 self._waited = True

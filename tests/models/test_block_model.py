@@ -12,7 +12,7 @@ import torch
 from wafer.models import block_model
 from wafer.models.gguf_loader import GGUFFile
 from wafer.models.loader import default_model_path, load_model
-from wafer.models.quant import BlockLinear, apply_compute_path
+from wafer.models.quant import HEAD_BITS, BlockLinear, apply_compute_path
 
 
 def records(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -104,10 +104,10 @@ def test_a_truncated_cache_is_converted_again(tmp_path, monkeypatch):
 
 
 def test_plan_keeps_the_files_precision():
-    """On q4, 4-bit types get 4-bit records and wider ones 8-bit; the head 8; on q8 all 8."""
+    """On q4, 4-bit types get 4-bit records and wider ones 8-bit; the head (Q8_0) HEAD_BITS; on q8 all 8."""
     f = GGUFFile(default_model_path())
     q4 = block_model.plan(f.config, f, "q4")
-    assert {lp.fmt for lp in q4[:-1]} == {4} and q4[-1].fmt == 8 and q4[-1].module == "lm_head"
+    assert {lp.fmt for lp in q4[:-1]} == {4} and q4[-1].fmt == HEAD_BITS and q4[-1].module == "lm_head"
     assert {lp.fmt for lp in block_model.plan(f.config, f, "q8")} == {8}
     assert q4[0].parts[0].endswith("q_proj.weight") and len(q4[0].parts) == 3
 
@@ -115,7 +115,7 @@ def test_plan_keeps_the_files_precision():
 def test_plan_gives_k_quants_records_of_their_own():
     """Qwen2.5-Coder-0.5B's Q4_K_M file: its down projections are Q4_K in some layers and Q6_K in
     others, and get K4 and K6 records; its Q5_0 layers (gate and up, o) 5-bit ones; qkv (Q5_0 beside
-    a Q8_0 V in some layers) and its Q8_0 head 8-bit ones. The same on q4 and q8."""
+    a Q8_0 V in some layers) 8-bit ones. The same on q4 and q8, but for the Q8_0 head: HEAD_BITS on q4."""
     from gguf import GGMLQuantizationType as T
 
     from wafer.models import catalog
@@ -130,11 +130,13 @@ def test_plan_gives_k_quants_records_of_their_own():
     for lp in q4:
         types = {f.raw(p)[1] for p in lp.parts}
         want = {frozenset({T.Q4_K}): K4, frozenset({T.Q6_K}): K6, frozenset({T.Q5_0}): 5}.get(frozenset(types), 8)
+        want = HEAD_BITS if lp.module == "lm_head" else want
         assert lp.fmt == want, (lp.module, types)
     assert {lp.fmt for lp in q4 if lp.module.endswith("down_proj")} == {K4, K6}
     assert {lp.fmt for lp in q4 if lp.module.endswith(("gate_up_proj", "o_proj"))} == {5}
-    assert q4[-1].fmt == 8 and {lp.fmt for lp in q4 if lp.module.endswith("qkv_proj")} <= {5, 8}
-    assert [lp.fmt for lp in block_model.plan(f.config, f, "q8")] == [lp.fmt for lp in q4]
+    assert q4[-1].fmt == HEAD_BITS and {lp.fmt for lp in q4 if lp.module.endswith("qkv_proj")} <= {5, 8}
+    q8 = block_model.plan(f.config, f, "q8")
+    assert [lp.fmt for lp in q8[:-1]] == [lp.fmt for lp in q4[:-1]] and q8[-1].fmt == 8
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -155,9 +157,9 @@ def test_parts_that_end_mid_group_and_rope_rows(tmp_path, arch):
     a, b = records(direct.model), records(via_float)
     assert direct.model.layers[0].self_attn.qkv_proj.out_features == 96 + 8 + 8
     for name in a:
-        if name != "lm_head":  # the head is 8-bit from Q4_1 directly, quantised again on the float route
+        if name != "lm_head":  # the head keeps Q4_1's codes directly, quantised again to HEAD_BITS on the float route
             assert torch.equal(a[name], b[name]), name
-    # The head holds the file's 4-bit values exactly in 8-bit records: only the activations are rounded.
+    # The head holds the file's 4-bit values exactly in 4-bit records: only the activations are rounded.
     from wafer.models.blockquant import quantize_activations
 
     w = load_model(str(path), compute="f32").model.lm_head.weight.detach()

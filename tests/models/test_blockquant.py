@@ -92,6 +92,29 @@ def test_extreme_codes_and_activations_are_exact(variant):
     packed4 = bq.pack_blocks(codes4, d, d, 4)
     w4 = codes4.float() * step + step
     assert torch.allclose(k.block_linear(x, packed4, n), x @ w4.T, rtol=1e-5, atol=1e-3)
+    codes6 = torch.where(torch.rand(n, kin, generator=g) < 0.5, 0, 63).to(torch.uint8)
+    packed6 = bq.pack_blocks(codes6, d, d, 6)
+    w6 = codes6.float() * step + step
+    assert torch.allclose(k.block_linear(x, packed6, n), x @ w6.T, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_every_code_of_every_width_lands_on_its_input(variant, bits):
+    """Codes at random in 0..2^bits - 1, each input a channel's own, against a plain product of the
+    unpacked weights: a bit of the 5- and 6-bit records' planes read for the wrong input or channel
+    changes the result."""
+    k = load(variant)
+    g = torch.Generator().manual_seed(bits)
+    n, kin = 37, 576
+    codes = torch.randint(0, 1 << bits, (n, kin), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, kin // 32, generator=g) * 0.02 + 0.001).half()
+    m = (torch.rand(n, kin // 32, generator=g) * 0.1 - 0.05).half()
+    w = codes.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
+    x = torch.randn(5, kin, generator=g) * 2
+    ref = bq.quantize_activations(x) @ w.T
+    y = k.block_linear(x, bq.pack_blocks(codes, d, m, bits), n)
+    assert (y - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -15,7 +15,7 @@ from wafer.engine.runner import ModelRunner
 from wafer.errors import ModelLoadError
 from wafer.models.kernels import kernels
 from wafer.models.loader import load_model
-from wafer.models.quant import BlockLinear, Int8Linear, apply_compute_path, resolve
+from wafer.models.quant import HEAD_BITS, BlockLinear, Int8Linear, apply_compute_path, resolve
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about snow.", "Explain photosynthesis briefly.",
              "List three prime numbers.", "Who wrote Hamlet?"]
@@ -65,7 +65,7 @@ def test_path_within_tolerance(smollm_f32, quant_model):
     assert any(isinstance(m, kind) for m in quant_model.model.modules())
     if quant_model.compute != "int8":
         bits = {m.fmt for m in quant_model.model.modules() if isinstance(m, BlockLinear)}
-        assert bits == ({8} if quant_model.compute == "q8" else {4, 8})
+        assert bits == ({8} if quant_model.compute == "q8" else {4, HEAD_BITS})
     tol = TOLERANCE_NATS
     kls = []
     for q in QUESTIONS:

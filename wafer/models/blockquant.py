@@ -15,19 +15,29 @@ import torch
 QK = 32
 
 
+def quantize_codes(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> codes [N, K] uint8 in 0..2^bits - 1, scale and minimum [N, K/32] float16:
+    w ~ d * q + m per block of 32, d and m from the block's range (Q4_1's rule at any width)."""
+    n, k = w.shape
+    top = (1 << bits) - 1
+    blocks = w.float().reshape(n, k // QK, QK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d16, m16 = ((hi - lo) / top).half(), lo.half()
+    d, m = d16.float(), m16.float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round((blocks - m[..., None]) * inv[..., None]).clamp(0, top).to(torch.uint8)
+    return q.reshape(n, k), d16.contiguous(), m16.contiguous()
+
+
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> codes [N, K/2] uint8 (element j low nibble of byte j, j+16 high), scale and
     minimum [N, K/32] float16 (as stored in GGUF); w ~ d * q + m with q in 0..15, as llama.cpp
     quantises Q4_1."""
     n, k = w.shape
-    blocks = w.float().reshape(n, k // QK, QK)
-    lo, hi = blocks.amin(-1), blocks.amax(-1)
-    d16, m16 = ((hi - lo) / 15).half(), lo.half()
-    d, m = d16.float(), m16.float()
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = torch.round((blocks - m[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
-    packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(n, k // 2).contiguous(), d16.contiguous(), m16.contiguous()
+    q, d, m = quantize_codes(w, 4)
+    blocks = q.reshape(n, k // QK, QK)
+    packed = blocks[..., :16] | (blocks[..., 16:] << 4)
+    return packed.reshape(n, k // 2).contiguous(), d, m
 
 
 def pack_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -50,7 +60,8 @@ def pack_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
     record]: output channels in groups of 16 (the last padded with zeros) and for each group and
     block of 32 inputs one record: the codes such that each 64 bytes hold four consecutive inputs
     of the 16 channels (4 bits: 32 bytes' low nibbles and the next 32's high ones; 5 bits: that,
-    then 64 bytes of the codes' fifth bits), then d[16] and m[16]. csrc/blockquant.h reads it."""
+    then 64 bytes of the codes' fifth bits; 6 bits: that, then 128 bytes of their top two bits, as
+    pack_k6 lays them out), then d[16] and m[16]. csrc/blockquant.h reads it."""
     n, k = codes.shape
     nb, groups = k // QK, -(-n // 16)
     codes, d, m = _pad_rows(groups * 16, codes, d, m)
@@ -60,6 +71,8 @@ def pack_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
         top = (codes >> 4).reshape(groups, 16, nb, 8, 4).permute(0, 2, 1, 4, 3)  # (g, b, c, t, j)
         plane = (top << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(groups, nb, 64)
         body = torch.cat([_body4(codes & 0x0F, groups, nb), plane], dim=-1)
+    elif bits == 6:
+        body = torch.cat([_body4(codes & 0x0F, groups, nb), _top2(codes, groups, nb)], dim=-1)
     else:  # k = 4 j + t; byte (j, c, t)
         body = codes.reshape(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
     return torch.cat([body, *(_per_channel(t, groups) for t in (d, m))], dim=-1).contiguous()
@@ -85,11 +98,15 @@ def pack_k6(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Ten
     n, k = codes.shape
     groups, nsb, nb = -(-n // 16), k // 256, k // QK
     codes, sc, d = _pad_rows(groups * 16, codes, sc, d)
-    low = _body4(codes & 0x0F, groups, nb)
-    top = (codes >> 4).reshape(groups, 16, nb, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # (g, b, h, c, t, s)
-    high = (top << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(groups, nb, 128)
-    body = torch.cat([low, high], dim=-1).reshape(groups, nsb, 8 * 384)
+    body = torch.cat([_body4(codes & 0x0F, groups, nb), _top2(codes, groups, nb)], dim=-1).reshape(groups, nsb, 8 * 384)
     return torch.cat([body, _per_channel(sc.view(torch.uint8), groups, 16), _per_channel(d, groups)], dim=-1).contiguous()
+
+
+def _top2(codes: torch.Tensor, groups: int, nb: int) -> torch.Tensor:
+    """6-bit codes [groups * 16, nb * 32] -> their top two bits [groups, nb, 128]: byte (h, c, t)
+    holds those of inputs 16 h + 4 s + t of channel c at bits 2 s."""
+    top = (codes >> 4).reshape(groups, 16, nb, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # (g, b, h, c, t, s)
+    return (top << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(groups, nb, 128)
 
 
 def _pad_rows(rows: int, *ts: torch.Tensor) -> list[torch.Tensor]:

@@ -30,13 +30,14 @@ from torch import nn
 
 from wafer.models import blockquant as bq
 from wafer.models.kernels import kernels
+from wafer.models.quant import HEAD_BITS
 
 FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)  # held exactly (to float16 scales) by 4-bit records
 AS_CODES = (*FOUR_BIT, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0)  # held so by 8-bit records
 ROWS_PER_CHUNK = 4096  # rows dequantised at once for the types that need it
 
 
-K4, K6 = 44, 66  # blockquant.h's formats of the K-quant records (4, 5 and 8 name the others by their bits)
+K4, K6 = 44, 66  # blockquant.h's formats of the K-quant records (4, 5, 6 and 8 name the others by their bits)
 FIVE_BIT = (T.Q5_0, T.Q5_1, T.Q5_K)
 
 
@@ -44,16 +45,16 @@ def format_for(qtypes: list[T], path: str, head: bool = False) -> int:
     """The records of a layer stacked from tensors of these types, on compute path q4 or q8: K4 or
     K6 where every part is Q4_K or Q6_K, and 5-bit records where every part is a 4- or 5-bit type
     and one is 5-bit (on both paths: the file's weights as they are, in less than 8 bits); else, on
-    q4, 4 bits for 4-bit types and below (8 for an output head); 8 bits for the rest."""
+    q4, 4 bits for 4-bit types and below, and 6 (HEAD_BITS) for an output head of wider ones; 8 bits
+    for the rest."""
     if all(q == T.Q4_K for q in qtypes):
         return K4
     if all(q == T.Q6_K for q in qtypes):
         return K6
     if all(q in (*FOUR_BIT, *FIVE_BIT) for q in qtypes) and any(q in FIVE_BIT for q in qtypes):
         return 5
-    if head:
-        return 8
-    return max(bits_for(q, path) for q in qtypes)
+    bits = max(bits_for(q, path) for q in qtypes)
+    return min(bits, HEAD_BITS) if head and path == "q4" else bits
 
 
 def bits_for(qtype: T, path: str) -> int:
@@ -133,9 +134,8 @@ def _requantize(raw: torch.Tensor, qtype: T, k: int, bits: int) -> tuple[torch.T
     for start in range(0, raw.shape[0], ROWS_PER_CHUNK):
         rows = raw[start : start + ROWS_PER_CHUNK]
         w = torch.from_numpy(np.asarray(dequantize(rows.numpy(), qtype), dtype=np.float32).reshape(-1, k))
-        if bits == 4:
-            qs, d, m = bq.quantize_q4(w)
-            out.append((_nibbles(qs.reshape(qs.shape[0], -1, 16)).reshape(qs.shape[0], k), d, m))
+        if bits < 8:
+            out.append(bq.quantize_codes(w, bits))
         else:
             q, d = bq.quantize_q8(w)
             out.append(((q.to(torch.int16) + 128).to(torch.uint8), d, (d.float() * -128).half()))

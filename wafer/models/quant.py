@@ -11,14 +11,14 @@ activations, reading a quarter of the bytes; larger batches (prefill) stay on fl
 CPU's GEMM is faster. Measured here: about 1.4x the decode speed of f32 for a perplexity cost under
 1% (bench/quality.py). fbgemm's dynamic int8 (activations quantised per tensor) was tried first and
 rejected: 3.6x the perplexity on the default model.
-`q4`: the blocks' linear layers in 4-bit blocks (llama.cpp's Q4_1) and the output head in 8-bit blocks
-(Q8_0), run by wafer's own kernels (kernels.py: the best variant of AVX-512, AVX2, NEON or portable
-C++ that the CPU runs) at every batch size, prefill included: measured on AVX-512 they beat float32
+`q4`: the blocks' linear layers in 4-bit blocks (llama.cpp's Q4_1) and the output head in 6-bit blocks
+(HEAD_BITS), run by wafer's own kernels (kernels.py: the best variant of AVX-512, AVX2, NEON or
+portable C++ that the CPU runs) at every batch size, prefill included: measured on AVX-512 they beat float32
 GEMM from 1 row (3.3 ms vs 20 for all the layers) to 256 (177 ms vs 307). From a Q4_1 GGUF these
 are the file's own weights; from any GGUF, block_model.py reads the file's blocks into these formats
-directly (4-bit types into 4-bit blocks, wider ones into 8-bit blocks, gguf_blocks.py), without a
-float32 copy of the model. With WAFER_KERNELS=off, or where they could not be built, it falls back
-to `int8`, with a warning (kernel_report).
+directly (4-bit types into 4-bit blocks, wider ones into 8-bit blocks, an output head into 6-bit
+blocks: gguf_blocks.py), without a float32 copy of the model. With WAFER_KERNELS=off, or where they
+could not be built, it falls back to `int8`, with a warning (kernel_report).
 `q8`: every linear layer in 8-bit blocks (Q8_0) on the same kernels: near-lossless, half of q4's speed.
 """
 
@@ -31,6 +31,12 @@ from torch import nn
 PATHS = ("auto", "f32", "bf16", "int8", "q8", "q4")
 CPU_PATHS = ("f32", "int8", "q8", "q4")
 CUDA_PATHS = ("f32", "bf16")
+# On q4 an output head that is not in fewer bits already (a float checkpoint's, a file's Q8_0) is read
+# each step whole, a third of a small model's bytes (SmolLM2's Q8_0 table: 32 of 98 MB). 6-bit
+# records hold it in 0.875 bytes a weight against 1.125: bench/quality.py on pydoc's text gave
+# SmolLM2's q4 path a perplexity 1.0061 of f32's with them (8 bits: 1.0035; 5 bits 1.0177 and 4
+# bits 1.0639, too far from the 2% allowed).
+HEAD_BITS = 6
 
 
 class Int8Linear(nn.Module):
@@ -52,7 +58,7 @@ class Int8Linear(nn.Module):
 
 
 class BlockLinear(nn.Module):
-    """A linear layer whose decode batches run wafer's block-quantised kernels: `fmt` 4 or 8 (bits),
+    """A linear layer whose decode batches run wafer's block-quantised kernels: `fmt` 4, 6 or 8 (bits),
     or, from a GGUF file's blocks only, K4 or K6 (gguf_blocks.py)."""
 
     def __init__(self, linear: nn.Linear, bits: int) -> None:
@@ -66,7 +72,7 @@ class BlockLinear(nn.Module):
         self.out_features = linear.out_features
         self.in_features = linear.in_features
         w = linear.weight.detach()
-        self.register_buffer("packed", bq.pack_q4(*bq.quantize_q4(w)) if bits == 4 else bq.pack_q8(*bq.quantize_q8(w)))
+        self.register_buffer("packed", bq.pack_q8(*bq.quantize_q8(w)) if bits == 8 else bq.pack_blocks(*bq.quantize_codes(w, bits), bits))
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, fmt: int,
@@ -119,8 +125,8 @@ def apply_compute_path(model: nn.Module, path: str) -> nn.Module:
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-                    # The head reads 8-bit blocks: its output is float32, unlike PyTorch's int8 kernel.
-                    setattr(module, name, BlockLinear(child, 8 if name == "lm_head" or path == "q8" else 4))
+                    bits = 8 if path == "q8" else HEAD_BITS if name == "lm_head" else 4
+                    setattr(module, name, BlockLinear(child, bits))
         from wafer.models.blockquant import onto_huge_pages
 
         blocks = [m for m in model.modules() if isinstance(m, BlockLinear)]
@@ -145,7 +151,7 @@ def describe(path: str) -> str:
                   "8-bit blocks; int8 activations, wafer's kernels",
             "int8": "int8 weights per channel with bfloat16 activations for decode; float32 for prefill",
             "q4": "a file's Q4_K, Q6_K and 5-bit types as they are, 4-bit blocks for its other 4-bit weights "
-                  "(Q4_0, Q4_1), 8-bit blocks for wider ones and the head; int8 activations, wafer's kernels"}[path]
+                  "(Q4_0, Q4_1), 8-bit blocks for wider ones, 6-bit for the head; int8 activations, wafer's kernels"}[path]
 
 
 def kernel_report(path: str, requested: str = "auto", device: str = "cpu") -> tuple[str, str | None]:

@@ -3,6 +3,7 @@
 // Weights are llama.cpp's block formats, 32 input elements per block, each block w = d * q + m:
 //   4 bits: codes q in 0..15 with a scale d and a minimum m (GGUF Q4_1)
 //   5 bits: codes q in 0..31, likewise (GGUF Q5_1; Q5_0 with m = -16 d)
+//   6 bits: codes q in 0..63, likewise (an output head requantised from 8 bits: 448 bytes a record, not 576)
 //   8 bits: codes q + 128 in 0..255 with m = -128 d, which is GGUF Q8_0 (w = d * q) made unsigned
 // Activations are quantised per block of 32 to int8 with one scale dx (as llama.cpp's Q8_1), so
 //   sum over a block of w x = d dx (sum of codes * x codes) + m (dx * sum of x codes)
@@ -11,7 +12,9 @@
 // Layout (blockquant.py, pack_blocks): output channels in groups of 16, and for each group and
 // block one record: the 16 channels' 32 codes, then d[16] and m[16] as float16. The codes are
 // ordered so that each 64 bytes hold four consecutive inputs of all 16 channels (5 bits: the 4-bit
-// body, then 64 bytes whose byte (c, t) holds at bit j the fifth bit of input 4 j + t): a dot product of
+// body, then 64 bytes whose byte (c, t) holds at bit j the fifth bit of input 4 j + t; 6 bits: the 4-bit
+// body, then K6's 128 bytes of top bits, byte (h, c, t) holding those of inputs 16 h + 4 s + t at bits
+// 2 s): a dot product of
 // those bytes against four of x's bytes broadcast gives 16 outputs' partial sums at once. Every
 // result lane is an output channel, so no horizontal sums are needed, a record is unpacked once for
 // up to eight rows of x, and each thread reads one contiguous run of records.
@@ -51,12 +54,13 @@ constexpr int QK_K = 256;  // inputs of a K4 or K6 record
 constexpr int TILE = 8;  // rows of x that share one unpacking of a record
 
 // A weight format is named by its record's size, which is how kernels.cpp tells them apart.
-enum Format : int { Q4 = 4, Q5 = 5, Q8 = 8, K4 = 44, K6 = 66 };
+enum Format : int { Q4 = 4, Q5 = 5, Q6 = 6, Q8 = 8, K4 = 44, K6 = 66 };
 
 inline int64_t record_bytes(int fmt) {
     switch (fmt) {
         case Q4: return 256 + 64;
         case Q5: return 256 + 64 + 64;
+        case Q6: return 256 + 128 + 64;
         case Q8: return 512 + 64;
         case K4: return 8 * 256 + 2 * 128 + 64;
         default: return 8 * 384 + 256 + 32;
@@ -119,7 +123,7 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
             // non-temporal (kNoReuse) data.
             for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(p + nb * rec + line, 0, kNoReuse);
             simd::W w[8];
-            if constexpr (BITS == 4 || BITS == 5) {
+            if constexpr (BITS == 4 || BITS == 5 || BITS == 6) {
                 for (int i = 0; i < 4; ++i) {
                     const simd::W v = simd::wload(p + 64 * i);
                     w[2 * i] = simd::low_nibbles(v);
@@ -135,6 +139,17 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
                     w[5] = simd::top_bits<5, 0x10>(w[5], top);
                     w[6] = simd::top_bits<6, 0x10>(w[6], top);
                     w[7] = simd::top_bits<7, 0x10>(w[7], top);
+                }
+                if constexpr (BITS == 6) {
+                    const simd::W lo = simd::wload(p + 256), hi = simd::wload(p + 320);
+                    w[0] = simd::top_bits<0, 0x30>(w[0], lo);
+                    w[1] = simd::top_bits<2, 0x30>(w[1], lo);
+                    w[2] = simd::top_bits<4, 0x30>(w[2], lo);
+                    w[3] = simd::top_bits<6, 0x30>(w[3], lo);
+                    w[4] = simd::top_bits<0, 0x30>(w[4], hi);
+                    w[5] = simd::top_bits<2, 0x30>(w[5], hi);
+                    w[6] = simd::top_bits<4, 0x30>(w[6], hi);
+                    w[7] = simd::top_bits<6, 0x30>(w[7], hi);
                 }
             } else {
                 for (int j = 0; j < 8; ++j) w[j] = simd::wload(p + 64 * j);
@@ -264,6 +279,7 @@ inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P,
                     switch (fmt) {
                         case Q4: return tile<4, R>(P, nrec, xr, y, N, g, g + 1);
                         case Q5: return tile<5, R>(P, nrec, xr, y, N, g, g + 1);
+                        case Q6: return tile<6, R>(P, nrec, xr, y, N, g, g + 1);
                         case Q8: return tile<8, R>(P, nrec, xr, y, N, g, g + 1);
                         case K4: return tile_k<false, R>(P, nrec, xr, y, N, g, g + 1);
                         default: return tile_k<true, R>(P, nrec, xr, y, N, g, g + 1);

@@ -14,9 +14,9 @@ namespace {
 // The record's size names the format (blockquant.h).
 int format_of(const torch::Tensor& packed) {
     const int64_t rec = packed.size(2);
-    for (int fmt : {wafer::Q4, wafer::Q5, wafer::Q8, wafer::K4, wafer::K6})
+    for (int fmt : {wafer::Q4, wafer::Q5, wafer::Q6, wafer::Q8, wafer::K4, wafer::K6})
         if (rec == wafer::record_bytes(fmt)) return fmt;
-    TORCH_CHECK(false, "a record of 320 (4-bit), 384 (5-bit), 576 (8-bit), 2368 (K4) or 3360 (K6) bytes, not ", rec);
+    TORCH_CHECK(false, "a record of 320 (4-bit), 384 (5-bit), 448 (6-bit), 576 (8-bit), 2368 (K4) or 3360 (K6) bytes, not ", rec);
     return 0;
 }
 

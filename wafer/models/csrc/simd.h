@@ -369,6 +369,17 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
             rb = _mm256_add_epi32(rb, _mm256_madd_epi16(sb, ones));
         }
         return {ra, rb};
+    } else if constexpr (CODE_BITS == 6) {
+        // Below 64: a pair is at most 16128, so two inputs' pairs add up in int16 before each widening.
+        __m256i ra = _mm256_setzero_si256(), rb = ra;
+        for (int j = 0; j < 8; j += 2) {
+            const __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);
+            const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(w[j].a, x0), _mm256_maddubs_epi16(w[j + 1].a, x1));
+            const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(w[j].b, x0), _mm256_maddubs_epi16(w[j + 1].b, x1));
+            ra = _mm256_add_epi32(ra, _mm256_madd_epi16(pa, ones));
+            rb = _mm256_add_epi32(rb, _mm256_madd_epi16(pb, ones));
+        }
+        return {ra, rb};
     } else {
         // Codes up to 255 would saturate VPMADDUBSW's pairs: make them signed (code - 128), take
         // their magnitude (up to 128) as the unsigned operand and move their sign onto x (|x| <= 127),
@@ -554,7 +565,7 @@ inline I dot_block(const W* w, const int32_t* xq, int32_t xsum) {
         for (int i = 0; i < 4; ++i) r.v[i] = vusdotq_s32(r.v[i], w[j].v[i], x);
     }
 #else
-    // SDOT multiplies signed bytes: 4- and 5-bit codes are already; 8-bit ones are made so (code - 128),
+    // SDOT multiplies signed bytes: codes of up to 6 bits are already; 8-bit ones are made so (code - 128),
     // and 128 times x's block sum is added back.
     constexpr bool SMALL = CODE_BITS < 8;
     for (int i = 0; i < 4; ++i) r.v[i] = vdupq_n_s32(SMALL ? 0 : 128 * xsum);

@@ -109,6 +109,18 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, floa
 // cost more than the Python work itself).
 constexpr int kNoReuse = 0;
 
+// 6-bit codes (Q6, K6): w[0..8)'s low nibbles joined by their top two bits, from the 128 bytes
+// that follow the 4-bit body, byte (h, c, t) holding those of inputs 16 h + 4 s + t at bits 2 s.
+inline void add_top2(simd::W* w, const uint8_t* planes) {
+    for (int h = 0; h < 2; ++h) {
+        const simd::W top = simd::wload(planes + 64 * h);
+        w[4 * h] = simd::top_bits<0, 0x30>(w[4 * h], top);
+        w[4 * h + 1] = simd::top_bits<2, 0x30>(w[4 * h + 1], top);
+        w[4 * h + 2] = simd::top_bits<4, 0x30>(w[4 * h + 2], top);
+        w[4 * h + 3] = simd::top_bits<6, 0x30>(w[4 * h + 3], top);
+    }
+}
+
 // Y[r, channel groups g0..g1) for R rows of x.
 template <int BITS, int R>
 void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
@@ -140,17 +152,7 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
                     w[6] = simd::top_bits<6, 0x10>(w[6], top);
                     w[7] = simd::top_bits<7, 0x10>(w[7], top);
                 }
-                if constexpr (BITS == 6) {
-                    const simd::W lo = simd::wload(p + 256), hi = simd::wload(p + 320);
-                    w[0] = simd::top_bits<0, 0x30>(w[0], lo);
-                    w[1] = simd::top_bits<2, 0x30>(w[1], lo);
-                    w[2] = simd::top_bits<4, 0x30>(w[2], lo);
-                    w[3] = simd::top_bits<6, 0x30>(w[3], lo);
-                    w[4] = simd::top_bits<0, 0x30>(w[4], hi);
-                    w[5] = simd::top_bits<2, 0x30>(w[5], hi);
-                    w[6] = simd::top_bits<4, 0x30>(w[6], hi);
-                    w[7] = simd::top_bits<6, 0x30>(w[7], hi);
-                }
+                if constexpr (BITS == 6) add_top2(w, p + 256);
             } else {
                 for (int j = 0; j < 8; ++j) w[j] = simd::wload(p + 64 * j);
             }
@@ -197,13 +199,7 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
                 }
                 const int64_t blk = s * 8 + b;
                 if constexpr (SIX) {
-                    for (int h = 0; h < 2; ++h) {
-                        const simd::W top = simd::wload(p + 256 + 64 * h);
-                        w[4 * h] = simd::top_bits<0, 0x30>(w[4 * h], top);
-                        w[4 * h + 1] = simd::top_bits<2, 0x30>(w[4 * h + 1], top);
-                        w[4 * h + 2] = simd::top_bits<4, 0x30>(w[4 * h + 2], top);
-                        w[4 * h + 3] = simd::top_bits<6, 0x30>(w[4 * h + 3], top);
-                    }
+                    add_top2(w, p + 256);
                     const int8_t* sc = reinterpret_cast<const int8_t*>(tail + 32 * b);
                     const simd::I s0 = simd::scales16(sc), s1 = simd::scales16(sc + 16);
                     // The codes' offset of 32, per half: -32 D sc times the half's sum of x.

@@ -98,6 +98,37 @@ def test_memory_follows_the_tokens_held() -> None:
         kv.reserve(t, 10 * BLOCK + 1)
 
 
+def runs(blocks: list[int]) -> int:
+    """How many runs of consecutive block numbers a sequence's blocks make."""
+    return 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
+
+
+def test_a_sequence_grows_in_one_run_of_blocks_beside_others() -> None:
+    """Sequences decoding together take a block each in turn; each still holds one run of blocks
+    (which the CPU streams), also once the pool's free blocks are scattered by sequences that ended
+    in another order than they started; where its run's next block is taken it goes on elsewhere,
+    and when the pool is full every free block is still used."""
+    kv = KVCache(CFG, num_slots=4, max_len=512, num_blocks=64)
+    slots = [kv.allocate()[0] for _ in range(4)]
+    for n in range(1, 8 * BLOCK + 1):  # a token each, in turn
+        for s in slots:
+            kv.reserve(s, n)
+    assert [runs(kv.blocks_of(s)) for s in slots] == [1, 1, 1, 1]
+    for s in (slots[2], slots[0], slots[3], slots[1]):
+        kv.free(s)
+    again = [kv.allocate()[0] for _ in range(4)]
+    for n in range(1, 8 * BLOCK + 1):
+        for s in again:
+            kv.reserve(s, n)
+    assert [runs(kv.blocks_of(s)) for s in again] == [1, 1, 1, 1]
+    # Past its home (16 blocks a slot here) a sequence's next block belongs to the next slot's run:
+    # it goes on elsewhere, and the whole pool can still be taken.
+    kv.reserve(again[0], 20 * BLOCK)
+    assert len(set(kv.blocks_of(again[0])) & {b for s in again[1:] for b in kv.blocks_of(s)}) == 0
+    kv.reserve(again[1], kv.room(again[1], 512))
+    assert kv.num_free_blocks == 0 and len({b for s in again for b in kv.blocks_of(s)}) == 64
+
+
 def test_cached_prefixes_give_their_storage_least_recently_freed_first() -> None:
     kv = KVCache(CFG, num_slots=2, max_len=128, num_blocks=4)
     x, y, z = ([t] * (2 * BLOCK + 1) for t in (1, 2, 3))
@@ -226,7 +257,7 @@ def test_a_prefix_is_found_only_where_its_last_window_is_held() -> None:
     # then 9 and 8 are cached, least recently freed first, and the partial block is free), so the
     # window before position 160 is gone, and no shorter prefix has its window either, although the
     # global layer still holds all ten blocks.
-    assert windowed.num_free == windowed.num_blocks == 8 and len(windowed.free_list) == 1
+    assert windowed.num_free == windowed.num_blocks == 8 and len(windowed.free) == 1
     c = [99] * (15 * BLOCK)
     sc, _ = kv.allocate(c)
     kv.reserve(sc, 7 * BLOCK)  # the free one, and 3..7 and 9

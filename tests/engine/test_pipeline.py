@@ -202,7 +202,8 @@ def test_a_step_that_raises_on_a_stage_fails_only_its_sequence(tiny_gguf):
     import dataclasses
 
     rng = random.Random(5)
-    # Two blocks each (0-1, 2-3, 4-5, 6-7), two sequences a step: the second step holds the last.
+    # Two blocks each, in slots 0 to 3: each slot's blocks start at its home in the pool (slot x
+    # home_stride, kv_cache.py), so a stage-1 pool of 3 strides holds all but the last sequence's.
     prompts = [[rng.randrange(3, 49000) for _ in range(20)] for _ in range(4)]
     single = _engine(tiny_gguf, "auto", 1, prefix_caching=False)
     want, _ = _generate(single, prompts)
@@ -210,7 +211,9 @@ def test_a_step_that_raises_on_a_stage_fails_only_its_sequence(tiny_gguf):
     pipe = engine.pipeline
     try:
         pipe.close()
-        pipe.spec = dataclasses.replace(pipe.spec, num_blocks=6)
+        stride = engine.kv.groups[0].home_stride
+        assert stride >= 2
+        pipe.spec = dataclasses.replace(pipe.spec, num_blocks=3 * stride)
         pipe.start()
         seqs = [engine.add(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts]
         outputs = []

@@ -54,16 +54,20 @@ class Server:
                 return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS in /proc status")
 
-    def state(self) -> State:
-        health = httpx.get(self.root + "/health", timeout=30).json()
-        kv = None
+    def gauge(self, name: str) -> float:
+        """A gauge of /metrics, summed over its labels (the engines)."""
+        total = None
         for family in text_string_to_metric_families(httpx.get(self.root + "/metrics", timeout=30).text):
             for s in family.samples:
-                if s.name == "wafer:kv_cache_usage_perc":
-                    kv = (kv or 0.0) + s.value
-        if kv is None:
-            raise RuntimeError("/metrics has no wafer:kv_cache_usage_perc")
-        return State(health["running"], health["waiting"], kv, self.rss_mb())
+                if s.name == name:
+                    total = (total or 0.0) + s.value
+        if total is None:
+            raise RuntimeError(f"/metrics has no {name}")
+        return total
+
+    def state(self) -> State:
+        health = httpx.get(self.root + "/health", timeout=30).json()
+        return State(health["running"], health["waiting"], self.gauge("wafer:kv_cache_usage_perc"), self.rss_mb())
 
     def wait_idle(self, timeout: float = 120.0) -> tuple[State, float]:
         """The state once nothing runs or waits and no KV is held, and the seconds that took; at the timeout,

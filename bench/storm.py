@@ -1,9 +1,11 @@
 """Abort storm and overload burst against a real `wafer serve` (default model) on loopback.
 
-1. Warm-up: the mix read to the end (every KV slot written as far as the storm can write it); the idle
-   state after it is the baseline: running and waiting requests (/health), KV in use (/metrics'
-   wafer:kv_cache_usage_perc; the cache is one slot per sequence, and a finished sequence's slot holds no
-   live tokens), resident memory (VmRSS of the server process).
+1. Warm-up: the mix read to the end, then requests with prompts of their own until every block of the KV
+   cache has been written once (/metrics' wafer:kv_cache_written_bytes up to wafer:kv_cache_capacity_bytes):
+   the cache takes memory on a block's first write and keeps it, a finished request's blocks staying as
+   its prefix cache, so any server's resident memory grows to the cache's budget with the variety of what
+   it serves. The idle state after that is the baseline: running and waiting requests (/health), KV held
+   by live sequences (wafer:kv_cache_usage_perc), resident memory (VmRSS of the server process).
 2. Abort storm: `--aborts` requests cut by the client at random points (streamed and not; before the head,
    while queued or prefilling, after a random number of tokens or seconds), `--concurrency` at a time,
    prompts of 16 to 256 tokens, 16 to 64 new tokens. Then the server must come back to the baseline:
@@ -66,6 +68,26 @@ async def abort_storm(server: Server, model: str, pool: list[Prompt], aborts: in
     return outcomes
 
 
+async def fill_cache(server: Server, model: str, pool: list[Prompt], batch: int) -> tuple[int, float, float]:
+    """Batches of `batch` requests with prompts of their own (a marker each: no prefix is shared) until every
+    block of the KV cache has been written once, or a batch wrote none (blocks of another kind, such as a
+    windowed pool's, that these prompts do not reach). Returns the requests, and the bytes written and the
+    capacity."""
+    longest = max(pool, key=lambda p: p.input_len or 0)
+    capacity = server.gauge("wafer:kv_cache_capacity_bytes")
+    sent = 0
+    written = server.gauge("wafer:kv_cache_written_bytes")
+    async with session(batch) as s:
+        while written < capacity:
+            await asyncio.gather(*(chat(s, server.base_url, model, longest, 16, False, marker=f"[fill {sent + i}] ")
+                                   for i in range(batch)))
+            sent += batch
+            before, written = written, server.gauge("wafer:kv_cache_written_bytes")
+            if written == before:
+                break
+    return sent, written, capacity
+
+
 async def overload(server: Server, model: str, pool: list[Prompt], n: int, rng: random.Random) -> list[Outcome]:
     """n short requests at once, half streamed."""
     short = [p for p in pool if (p.input_len or 0) <= 48]
@@ -102,6 +124,9 @@ def main() -> int:
         rss: dict[str, float] = {"loaded": server.rss_mb()}
         t = time.monotonic()
         warm = run_async(warm_up(server.base_url, model, pool, args.max_running, MAX_TOKENS, args.concurrency, rng))
+        filled, written, capacity = run_async(fill_cache(server, model, pool, args.max_running))
+        print(f"  KV cache: {filled} requests wrote {written / 2**20:.0f} of its {capacity / 2**20:.0f} MB",
+              file=sys.stderr, flush=True)
         before, _ = server.wait_idle()
         rss["start"] = before.rss_mb
         print(f"  warm-up: {len(warm)} requests in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)

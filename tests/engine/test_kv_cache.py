@@ -129,6 +129,23 @@ def test_a_sequence_grows_in_one_run_of_blocks_beside_others() -> None:
     assert kv.num_free_blocks == 0 and len({b for s in again for b in kv.blocks_of(s)}) == 64
 
 
+def test_written_bytes_count_each_block_once_and_stay() -> None:
+    """The pools take memory on a block's first write and keep it: written_bytes grows with blocks never
+    written before, not with blocks taken again, and stays when they are freed."""
+    kv = KVCache(CFG, num_slots=2, max_len=256, num_blocks=8)
+    per_block = kv.capacity_bytes // 8
+    s, _ = kv.allocate()
+    kv.reserve(s, 3 * BLOCK)
+    assert kv.written_bytes == 3 * per_block
+    kv.free(s)
+    assert kv.written_bytes == 3 * per_block and kv.usage == 0.0
+    t, _ = kv.allocate()
+    kv.reserve(t, 3 * BLOCK)  # the same three blocks again
+    assert kv.written_bytes == 3 * per_block
+    kv.reserve(t, 8 * BLOCK)
+    assert kv.written_bytes == kv.capacity_bytes
+
+
 def test_cached_prefixes_give_their_storage_least_recently_freed_first() -> None:
     kv = KVCache(CFG, num_slots=2, max_len=128, num_blocks=4)
     x, y, z = ([t] * (2 * BLOCK + 1) for t in (1, 2, 3))

@@ -49,3 +49,5 @@ def test_requests_beyond_the_kv_budget_all_finish_as_alone(tight, server):
     assert metric(text, "wafer:kv_cache_usage_perc") == 0.0
     assert 'wafer:num_requests_waiting{model_name="' + MODEL + '"}' in text
     assert tight.engine.kv.num_used == 0 and tight.engine.kv.num_blocks == 10
+    # Every block has been written (more tokens than the budget went through), and stays counted.
+    assert metric(text, "wafer:kv_cache_written_bytes") == metric(text, "wafer:kv_cache_capacity_bytes") > 0

@@ -114,6 +114,7 @@ class EngineSnapshot:
     kv_usage: float  # fraction of the KV blocks live sequences hold
     kv_peak_usage: float
     kv_capacity_bytes: int
+    kv_written_bytes: int  # of the blocks written at least once (kv_cache.KVCache.written_bytes)
     prefix_hit_rate: float
     last_batch_size: int
     num_preemptions: int
@@ -225,7 +226,7 @@ class LLMEngine:
             info = {"stages": pipe.world, "layers": pipe.spec.ranges, "restarts": pipe.restarts,
                     "transfer_seconds": round(pipe.transfer_seconds, 3), "stage_pids": pipe.stage_pids()}
         return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage, kv.peak_usage,
-                              kv.capacity_bytes, kv.prefix_hit_rate, self.stats.last_batch_size,
+                              kv.capacity_bytes, kv.written_bytes, kv.prefix_hit_rate, self.stats.last_batch_size,
                               self.scheduler.num_preemptions, copy.deepcopy(self.stats.spec),
                               pipe.fault if pipe is not None and not pipe.ready else None, info)
 

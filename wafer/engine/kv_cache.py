@@ -150,6 +150,8 @@ class _Group:
         self._lowest = list(range(num_blocks))
         self.home_stride = max(1, num_blocks // max(1, tables.shape[0]))  # each slot's first block: slot x this
         self.ref = [0] * num_blocks
+        self.written = bytearray(num_blocks)  # 1: taken at least once (its pages are resident since)
+        self.num_written = 0
         self.blocks: dict[int, list[int]] = {}  # slot -> its blocks in position order (HOLE: given back)
         self.first: dict[int, int] = {}  # slot -> its first block not given back
         self.index: dict[bytes, int] = {}  # digest -> block
@@ -217,6 +219,9 @@ class _Group:
                 b, _ = self.cached.popitem(last=False)
                 del self.index[self.key.pop(b)[0]]
             self.ref[b] = 1
+            if not self.written[b]:
+                self.written[b] = 1
+                self.num_written += 1
             self.tables[slot, len(blocks)] = b
             blocks.append(b)
 
@@ -370,6 +375,13 @@ class KVCache:
     @property
     def capacity_bytes(self) -> int:
         return sum(g.num_blocks * g.bytes_per_block for g in self.groups)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes of the blocks written at least once: the pools take memory on first write and keep it
+        (a freed block's pages stay, and a prefix-cached one keeps its KV), so the process's resident
+        memory grows with this, up to capacity_bytes."""
+        return sum(g.num_written * g.bytes_per_block for g in self.groups)
 
     @property
     def usage(self) -> float:

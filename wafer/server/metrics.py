@@ -147,6 +147,10 @@ class ServerMetrics:
                              "The largest fraction of the KV cache's blocks held at once since start.", lbl, registry=r)
         self.kv_capacity = Gauge("wafer:kv_cache_capacity_bytes", "Bytes of KV the cache's blocks can hold (its "
                                  "budget: --kv-cache-memory).", lbl, registry=r)
+        self.kv_written = Gauge("wafer:kv_cache_written_bytes", "Bytes of the KV cache's blocks written at least "
+                                "once since start: the cache takes memory on first write and keeps it (prefix-cached "
+                                "blocks keep their KV), so resident memory grows with this up to the capacity.",
+                                lbl, registry=r)
         self.batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
         self.prefix_hit_rate = Gauge("wafer:prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / prompt tokens looked up.", lbl,
@@ -166,6 +170,7 @@ class ServerMetrics:
         self.kv.labels(name).set_function(lambda: engine.stats().kv_usage)
         self.kv_peak.labels(name).set_function(lambda: engine.stats().kv_peak_usage)
         self.kv_capacity.labels(name).set_function(lambda: engine.stats().kv_capacity_bytes)
+        self.kv_written.labels(name).set_function(lambda: engine.stats().kv_written_bytes)
         self.batch.labels(name).set_function(lambda: engine.stats().last_batch_size)
         self.prefix_hit_rate.labels(name).set_function(lambda: engine.stats().prefix_hit_rate)
 

@@ -29,11 +29,13 @@ def test_requantising_the_gguf_gives_back_its_codes(gguf_tensors):
     t = gguf_tensors["blk.3.ffn_down.weight"]
     assert t.tensor_type == GGMLQuantizationType.Q4_1
     w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).float()
-    qs, d, m = bq.quantize_q4(w)
-    assert torch.equal(bq.dequantize_q4(qs, d, m), w) or (bq.dequantize_q4(qs, d, m) - w).abs().max() < 1e-6
-    # The codes are the file's: block j's nibbles as stored (2 f16 scales, then 16 bytes).
+    codes, d, m = bq.quantize_codes(w, 4)
+    assert torch.equal(bq.dequantize_codes(codes, d, m), w) or (bq.dequantize_codes(codes, d, m) - w).abs().max() < 1e-6
+    # The codes are the file's: block j's nibbles as stored (2 f16 scales, then 16 bytes; element i in
+    # the low nibble of byte i, i + 16 in its high one).
     raw = np.array(t.data).reshape(w.shape[0], -1, 20)[..., 4:]
-    assert np.array_equal(qs.numpy().reshape(raw.shape), raw)
+    blocks = codes.reshape(w.shape[0], -1, 32)
+    assert np.array_equal((blocks[..., :16] | (blocks[..., 16:] << 4)).numpy(), raw)
 
     e = gguf_tensors["token_embd.weight"]
     assert e.tensor_type == GGMLQuantizationType.Q8_0
@@ -55,9 +57,9 @@ def test_kernels_equal_the_same_arithmetic_in_torch(variant, rows, k_in, n_out):
     w = torch.randn(n_out, k_in) * 0.05
     x = torch.randn(rows, k_in) * 3
     xq = bq.quantize_activations(x)
-    qs, d, m = bq.quantize_q4(w)
-    ref4 = xq @ bq.dequantize_q4(qs, d, m).T
-    y4 = k.block_linear(x, bq.pack_q4(qs, d, m), n_out)
+    codes, d, m = bq.quantize_codes(w, 4)
+    ref4 = xq @ bq.dequantize_codes(codes, d, m).T
+    y4 = k.block_linear(x, bq.pack_blocks(codes, d, m, 4), n_out)
     assert y4.shape == (rows, n_out)
     assert (y4 - ref4).abs().max() < 1e-4 * ref4.abs().max()
     q8, d8 = bq.quantize_q8(w)
@@ -136,7 +138,7 @@ def test_argmax_rows_is_torch_max(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bad_shapes_are_refused(variant):
     k = load(variant)
-    packed = bq.pack_q4(*bq.quantize_q4(torch.randn(8, 64)))
+    packed = bq.pack_blocks(*bq.quantize_codes(torch.randn(8, 64), 4), 4)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         k.block_linear(torch.randn(1, 40), packed, 8)
     with pytest.raises(RuntimeError):
@@ -157,7 +159,7 @@ def _thp_mode() -> str | None:
 
 def test_weights_moved_onto_huge_pages_are_the_same_weights():
     g = torch.Generator().manual_seed(0)
-    tensors = [bq.pack_q4(*bq.quantize_q4(torch.randn(48, 64, generator=g))),
+    tensors = [bq.pack_blocks(*bq.quantize_codes(torch.randn(48, 64, generator=g), 4), 4),
                bq.pack_q8(*bq.quantize_q8(torch.randn(20, 96, generator=g))),
                torch.randn(3, 5, generator=g), torch.arange(7, dtype=torch.int64)]
     moved = bq.onto_huge_pages(tensors)

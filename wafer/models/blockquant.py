@@ -29,25 +29,6 @@ def quantize_codes(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tens
     return q.reshape(n, k), d16.contiguous(), m16.contiguous()
 
 
-def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> codes [N, K/2] uint8 (element j low nibble of byte j, j+16 high), scale and
-    minimum [N, K/32] float16 (as stored in GGUF); w ~ d * q + m with q in 0..15, as llama.cpp
-    quantises Q4_1."""
-    n, k = w.shape
-    q, d, m = quantize_codes(w, 4)
-    blocks = q.reshape(n, k // QK, QK)
-    packed = blocks[..., :16] | (blocks[..., 16:] << 4)
-    return packed.reshape(n, k // 2).contiguous(), d, m
-
-
-def pack_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """quantize_q4's output -> the kernel's records (see pack_blocks)."""
-    n, half = qs.shape
-    blocks = qs.reshape(n, half // 16, 16)
-    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n, half * 2)
-    return pack_blocks(codes, d, m, 4)
-
-
 def pack_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """quantize_q8's output -> the kernel's records: codes made unsigned (q + 128) with m = -128 d,
     exact in float16, so that one kernel serves both formats."""
@@ -127,10 +108,10 @@ def _per_channel(t: torch.Tensor, groups: int, per: int = 1) -> torch.Tensor:
     return t.reshape(groups, 16, n, per).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(groups, n, -1)
 
 
-def dequantize_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def dequantize_codes(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """quantize_codes' output -> [N, K] float32: d * q + m per block of 32."""
     n, nb = d.shape
-    packed = qs.reshape(n, nb, 16)
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    q = codes.reshape(n, nb, QK).float()
     return (q * d.float()[..., None] + m.float()[..., None]).reshape(n, nb * QK)
 
 

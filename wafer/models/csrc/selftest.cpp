@@ -128,7 +128,7 @@ uint16_t random_half(Rng& rng, int emin, int emax, bool negative) {
 struct Weights {
     int bits;
     int64_t N, K;
-    std::vector<uint8_t> codes;   // [N, K], 0..15, 0..31 or 0..255
+    std::vector<uint8_t> codes;   // [N, K], 0..15, 0..31, 0..63 or 0..255
     std::vector<uint16_t> d, m;   // [N, K/32] float16 bits
     std::vector<uint8_t> packed;  // blockquant.h's records
 };
@@ -157,6 +157,13 @@ void pack(Weights& w) {
                             for (int j = 0; j < 8; ++j) byte |= (code(n, 32 * b + 4 * j + t) >> 4) << j;
                             r[256 + c * 4 + t] = static_cast<uint8_t>(byte);
                         }
+                    if (w.bits == 6)  // byte (h, c, t): the top two bits of input 16 h + 4 s + t at bits 2 s
+                        for (int h = 0; h < 2; ++h)
+                            for (int t = 0; t < 4; ++t) {
+                                unsigned byte = 0;
+                                for (int q = 0; q < 4; ++q) byte |= (code(n, 32 * b + 16 * h + 4 * q + t) >> 4) << (2 * q);
+                                r[256 + h * 64 + c * 4 + t] = static_cast<uint8_t>(byte);
+                            }
                 }
                 const uint16_t d = n < w.N ? w.d[n * nb + b] : 0, m = n < w.N ? w.m[n * nb + b] : 0;
                 std::memcpy(r + body + 2 * c, &d, 2);
@@ -233,7 +240,7 @@ std::vector<uint8_t> random_codes(Rng& rng, int64_t N, int64_t K, int top) {
     return codes;
 }
 
-// random_codes with scales d (exponents [de0, de1]) and, for 4 and 5 bits, minimums (exponents
+// random_codes with scales d (exponents [de0, de1]) and, below 8 bits, minimums (exponents
 // [me0, me1], either sign); 8-bit minimums are -128 d.
 Weights make_weights(Rng& rng, int bits, int64_t N, int64_t K, int de0, int de1, int me0, int me1) {
     const int64_t nb = K / 32;
@@ -295,7 +302,7 @@ std::vector<float> make_activations(Rng& rng, int64_t M, int64_t K) {
 void test_block_linear() {
     Rng rng(1);
     struct Shape { int64_t N, K; };
-    for (int bits : {4, 5, 8})
+    for (int bits : {4, 5, 6, 8})
         for (Shape s : {Shape{37, 64}, Shape{37, 576}, Shape{16, 64}}) {
             const Weights w = bits < 8 ? make_weights(rng, bits, s.N, s.K, -8, -4, -6, -2) : make_weights(rng, 8, s.N, s.K, -12, -6, 0, 0);
             for (int64_t M : {1, 3, 8, 11}) {
@@ -310,7 +317,7 @@ void test_block_linear() {
             }
         }
     // Subnormal float16 scales (and minimums): only a conversion that handles them gets these right.
-    for (int bits : {4, 5, 8}) {
+    for (int bits : {4, 5, 6, 8}) {
         const int64_t M = 3, N = 20, K = 64;
         const Weights w = make_weights(rng, bits, N, K, -24, -15, -24, -15);
         const std::vector<float> x = make_activations(rng, M, K);

@@ -53,12 +53,14 @@ $(ARM_STAMP): $(STAMP)
 
 # Two pytest processes, each given half of the cores (tests/conftest.py): alone, the suite kept 2 cores
 # only 60% busy, its server tests waiting on sockets, subprocesses and timers. Each test file runs whole
-# in one process (loadscope), so that its module fixtures (models, servers) are built once.
+# in one process (loadscope), so that its module fixtures (models, servers) are built once, in the
+# order tests/conftest.py gives them (long modules first), not xdist's largest-module-first order,
+# which left the 1.5B tiers' checks to the end, both workers' largest models loaded at once.
 # A worker that dies (pytest-timeout ends one whose test hangs) is not replaced: xdist 3.8.0's loadscope
 # scheduler can wait forever after replacing one (pytest-xdist#1378), which cost CI its 90 minutes.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(CHROMIUM_STAMP) $(ARM_STAMP) $(BWRAP_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --max-worker-restart=0
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0
 
 # llama-cpp-python is the baseline of the benches, built from source for this machine (about 5 minutes
 # a build on 2 cores): one build with every instruction set the CPU has, one for AVX2 only

@@ -16,6 +16,7 @@ from typing import Literal
 
 import jsonschema
 
+from wafer import untrusted_json
 from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox, rlimits, spawn
 
 RUNNER_SOURCE = (Path(__file__).parent / "program_runner.py").read_text()
@@ -56,7 +57,7 @@ def _params(schema: dict) -> list[str]:
 
 def _output_value(text: str) -> object:
     try:
-        return json.loads(text)
+        return untrusted_json.loads(text)
     except ValueError:
         return text
 
@@ -235,7 +236,7 @@ class Program:
         if not line:
             return None
         try:
-            return json.loads(line)
+            return untrusted_json.loads(line)
         except ValueError:
             raise _Stop("the program broke its protocol") from None
 

@@ -10,11 +10,11 @@ model with tool calling can use it.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from wafer import untrusted_json
 from wafer.agents.items import PROGRAM_TOOL
 from wafer.agents.program import Program, ToolCall
 
@@ -55,7 +55,7 @@ def program_tool(tools: list[dict[str, Any]]) -> dict[str, Any]:
 def program_code(arguments: str) -> str | None:
     """The code of a `run_program` call, None if its arguments do not hold one."""
     try:
-        args = json.loads(arguments)
+        args = untrusted_json.loads(arguments)
     except ValueError:
         return None
     code = args.get("code") if isinstance(args, dict) else None

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 
+from wafer import untrusted_json
 from wafer.router.config import UpstreamConfig
 
 
@@ -69,7 +70,7 @@ def _json_object(up: UpstreamConfig, status: int, data: bytes) -> dict[str, Any]
     """The body as a JSON object; one that is not (an HTML error page from a proxy, say) means the
     upstream could not answer in the API's terms."""
     try:
-        obj = json.loads(data)
+        obj = untrusted_json.loads(data)
     except ValueError:
         obj = None
     if not isinstance(obj, dict):

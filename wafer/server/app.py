@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wafer import untrusted_json
 from wafer.agents.items import ResponseRequest
 from wafer.agents.responses import ResponsesService, sse
 from wafer.agents.store import ResponseStore
@@ -98,7 +98,7 @@ def _replay(chunks: list[bytes], final: Message | None, receive: Receive | None 
 
 def _parse_json(raw: bytes) -> Any:
     try:
-        body = json.loads(raw)
+        body = untrusted_json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an integer over 4,300 digits, deep nesting
         reason = getattr(e, "msg", None) or ("nested too deeply" if isinstance(e, RecursionError) else str(e))
         raise APIError(400, f"We could not parse the JSON body of your request ({reason}).",

@@ -22,6 +22,7 @@ from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 from llguidance import LLMatcher
 
+from wafer import untrusted_json
 from wafer.engine.constraints import CALL_CLOSE, CALL_OPEN
 from wafer.server.errors import bad_request
 
@@ -204,7 +205,7 @@ def history_for_tool_template(messages: list[dict[str, Any]]) -> list[dict[str, 
 
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
+        return untrusted_json.loads(text)
     except (TypeError, ValueError, RecursionError):  # kept as the text it is
         return text
 
@@ -240,7 +241,7 @@ def _call(obj_text: str) -> dict[str, Any] | None:
     """One finished call object, OpenAI-shaped, its arguments exactly as generated (what a streaming
     client would have received), not re-serialised; None if it is not a call."""
     try:
-        obj = json.loads(obj_text)
+        obj = untrusted_json.loads(obj_text)
         name, args = obj["name"], obj["arguments"]
     except (ValueError, KeyError, TypeError):
         return None

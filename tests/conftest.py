@@ -18,7 +18,9 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
 
 
-_LIBC = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "malloc_trim") else None  # glibc's; None elsewhere
+_LIBC = ctypes.CDLL(None)
+if not hasattr(_LIBC, "malloc_trim"):  # glibc's; other C libraries keep their own ways
+    _LIBC = None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -34,3 +34,5 @@ def test_not_json_is_refused_as_json_refuses_it():
     with pytest.raises(ValueError):
         loads('{"a": ')
     assert loads(b'{"a": [1, 2]}') == {"a": [1, 2]}
+    with pytest.raises(TypeError):  # not text: json.loads's own refusal, as callers expect
+        loads({"a": 1})

@@ -34,10 +34,14 @@ class TooDeep(ValueError):
 
 def too_deep(raw: bytes | str) -> bool:
     """Whether the text's arrays and objects nest deeper than MAX_DEPTH (brackets inside strings do
-    not count). Text that is not JSON may be judged either way: parsing refuses it anyway."""
-    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:  # the common case: nothing to scan
+    not count). Text that is not JSON may be judged either way: parsing refuses it anyway, as it
+    refuses what is not text at all (json.loads's TypeError)."""
+    if not isinstance(raw, (str, bytes, bytearray)):
         return False
+    opens = ("[", "{") if isinstance(raw, str) else (b"[", b"{")
+    if raw.count(opens[0]) + raw.count(opens[1]) <= MAX_DEPTH:  # the common case: nothing to scan
+        return False
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
     steps = _STEP[np.frombuffer(_STRING.sub(b"", data), dtype=np.uint8)]
     return bool(steps.size) and int(steps.cumsum(dtype=np.int32).max()) > MAX_DEPTH
 

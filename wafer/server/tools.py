@@ -206,7 +206,7 @@ def history_for_tool_template(messages: list[dict[str, Any]]) -> list[dict[str, 
 def _loads(text: str) -> Any:
     try:
         return untrusted_json.loads(text)
-    except (TypeError, ValueError, RecursionError):  # kept as the text it is
+    except (TypeError, ValueError):  # kept as the text it is
         return text
 
 

@@ -48,11 +48,20 @@ class LoopStalls:
 
     longest: float  # the gauge: the longest stall since the server started
     buckets: dict[float, float]  # histogram: upper bound -> observations at or below it (cumulative)
+    # wafer:engine_step_seconds by kind (prompt, decode), every model's together: steps in all, and
+    # steps within STALL_LIMIT. An engine step holds the loop, so it is one cause of a stall.
+    steps: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def over(self, earlier: LoopStalls, limit: float = STALL_LIMIT) -> int:
         """Stalls longer than `limit` (a bucket bound) observed since `earlier`."""
         total = self.buckets[float("inf")] - earlier.buckets[float("inf")]
         return int(total - (self.buckets[limit] - earlier.buckets[limit]))
+
+    def steps_over(self, earlier: LoopStalls, kind: str) -> int:
+        """Engine steps of `kind` longer than STALL_LIMIT since `earlier`."""
+        total, within = self.steps.get(kind, (0.0, 0.0))
+        total0, within0 = earlier.steps.get(kind, (0.0, 0.0))
+        return int((total - total0) - (within - within0))
 
     def longest_since(self, earlier: LoopStalls) -> tuple[float, bool]:
         """The longest stall since `earlier` and whether that is exact: it is when it set a new maximum;
@@ -107,6 +116,12 @@ class Report:
         assert self.before is not None and self.after is not None
         return self.after.over(self.before)
 
+    def slow_steps(self) -> int:
+        """Engine steps longer than STALL_LIMIT during the run: each held the loop that long, though
+        the timer sees a hold only from when it was due (up to its 50 ms interval less)."""
+        assert self.before is not None and self.after is not None
+        return sum(self.after.steps_over(self.before, k) for k in ("prompt", "decode"))
+
     def longest_stall(self) -> str:
         assert self.before is not None and self.after is not None
         seconds, exact = self.after.longest_since(self.before)
@@ -127,6 +142,8 @@ class Report:
             ["other problems (timeouts, dropped connections, bad streams)", str(self.other_problems)],
             ["longest event-loop stall", self.longest_stall()],
             [f"stalls over {STALL_LIMIT * 1000:.0f} ms", str(self.stalls_during())],
+            [f"engine steps over {STALL_LIMIT * 1000:.0f} ms (prompt / decode)",
+             " / ".join(str(self.after.steps_over(self.before, k)) for k in ("prompt", "decode"))],
             ["healthy afterwards", "yes" if self.healthy is None else f"NO: {self.healthy}"],
         ]
         sources = ", ".join(f"{k} {n}" for k, n in sorted(by_source.items()))
@@ -217,15 +234,19 @@ def send(client: httpx.Client, base: str, req: FuzzRequest, bound: float, source
 def loop_stalls(base: str) -> LoopStalls:
     longest = None
     buckets: dict[float, float] = {}
+    steps: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
         for s in family.samples:
             if s.name == "wafer:event_loop_max_stall_seconds":
                 longest = s.value
             elif s.name == "wafer:event_loop_stall_seconds_bucket":
                 buckets[float(s.labels["le"])] = s.value
+            elif s.name == "wafer:engine_step_seconds_bucket" and float(s.labels["le"]) in (STALL_LIMIT, float("inf")):
+                counts = steps.setdefault(s.labels["kind"], [0.0, 0.0])
+                counts[0 if s.labels["le"] in ("+Inf", "inf") else 1] += s.value
     if longest is None or STALL_LIMIT not in buckets:
         raise RuntimeError("/metrics lacks wafer:event_loop_max_stall_seconds or its histogram's 0.1 s bucket")
-    return LoopStalls(longest, buckets)
+    return LoopStalls(longest, buckets, {k: (v[0], v[1]) for k, v in steps.items()})
 
 
 def health_problem(base: str, model: str, timeout: float = 60.0) -> str | None:

@@ -4,7 +4,9 @@ queues, shared queues tagged per request, and aborts."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
+from wafer.engine import async_engine
 from wafer.engine.async_engine import AsyncEngine
 from wafer.engine.engine import EngineConfig, LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
@@ -47,3 +49,18 @@ def test_abort_ends_a_request_before_the_next_step(tiny_dir):
     engine.abort(req)
     assert not engine.poll()  # the abort is taken first, so nothing is left to step
     assert engine.num_running == 0 and engine.engine.kv.num_used == 0
+
+
+def test_each_step_is_timed_for_its_observers_and_a_slow_one_is_logged(tiny_dir, monkeypatch, caplog):
+    engine = AsyncEngine(LLMEngine(load_model(str(tiny_dir)), EngineConfig(max_running=2, max_model_len=128)))
+    seen: list[async_engine.StepTiming] = []
+    engine.step_observers.append(seen.append)
+    engine.submit([1, 5, 9, 13], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    monkeypatch.setattr(async_engine, "SLOW_STEP_SECONDS", 0.0)  # every step counts as slow
+    with caplog.at_level(logging.INFO, logger="wafer.engine"):
+        while engine.poll():
+            pass
+    assert [(s.kind, s.sequences, s.prompt_tokens) for s in seen] == [("prompt", 1, 4), ("decode", 1, 0), ("decode", 1, 0)]
+    assert all(0 < s.seconds < 10 for s in seen)
+    logged = [r.getMessage() for r in caplog.records if "step took" in r.getMessage()]
+    assert len(logged) == 3 and logged[0].startswith("a prompt step took") and "4 prompt tokens" in logged[0]

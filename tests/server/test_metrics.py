@@ -70,6 +70,12 @@ def test_counters_match_usage(fresh):
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "batch_size"):
         assert f"wafer:{gauge}{{{lbl}}}" in m
     assert m[f"wafer:num_requests_running{{{lbl}}}"] == 0
+    # Each short prompt took one step; each token after a request's first, one decode step at most
+    # (fewer where speculation verified several at once). A step's time lies within its requests'.
+    steps = {k: m[f"wafer:engine_step_seconds_count{{kind={k},{lbl}}}"] for k in ("prompt", "decode")}
+    assert steps["prompt"] == n and 0 < steps["decode"] <= gen_sum - n
+    step_time = sum(m[f"wafer:engine_step_seconds_sum{{kind={k},{lbl}}}"] for k in steps)
+    assert 0 < step_time < m[f"wafer:e2e_request_latency_seconds_sum{{{lbl}}}"]
 
 
 def test_dashboard_data(fresh):

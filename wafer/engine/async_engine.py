@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from wafer.engine import defaults
 from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads, binding_wanted
@@ -49,6 +49,24 @@ class EngineFailure(Exception):
 
 class EngineUnavailable(EngineFailure):
     """A part of the engine is down (a pipeline stage): the request failed, and may be retried later."""
+
+
+# A step longer than this is logged with what it held: the server's loop is held for as long, and
+# every stream waits (issue 19 bounds that wait at 100 ms).
+SLOW_STEP_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step as the loop saw it: its wall time and what it computed."""
+
+    seconds: float
+    sequences: int
+    prompt_tokens: int  # 0: a decode step
+
+    @property
+    def kind(self) -> str:
+        return "prompt" if self.prompt_tokens else "decode"
 
 
 @dataclass
@@ -80,6 +98,8 @@ class AsyncEngine:
         self._rids = itertools.count()
         self.accepting = True
         self.failures = 0
+        # Called on the loop after each step (the server's metrics); an observer must not raise.
+        self.step_observers: list[Callable[[StepTiming], None]] = []
 
     def _nudge(self) -> None:
         if self._wake is not None:
@@ -196,11 +216,15 @@ class AsyncEngine:
         self._drain_inbox()
         if not self.engine.has_work:
             return False
+        prompt_before = self.engine.stats.prompt_tokens
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # the server must stay up: fail these requests, keep serving
             self._fail_running(e)
             return True
+        self._timed(StepTiming(time.perf_counter() - started, self.engine.stats.last_batch_size,
+                               self.engine.stats.prompt_tokens - prompt_before))
         for out in outputs:
             req = self._by_seq.get(out.seq_id)
             if req is None:
@@ -218,6 +242,13 @@ class AsyncEngine:
                 self._by_seq.pop(out.seq_id, None)
                 self._requests.pop(req.rid, None)
         return True
+
+    def _timed(self, step: StepTiming) -> None:
+        if step.seconds > SLOW_STEP_SECONDS:
+            log.info("a %s step took %.0f ms (%d sequences, %d prompt tokens): every stream waited as long",
+                     step.kind, step.seconds * 1000, step.sequences, step.prompt_tokens)
+        for observe in self.step_observers:
+            observe(step)
 
     def close(self) -> None:
         """Release what the engine holds outside this process (pipeline stages)."""

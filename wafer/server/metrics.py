@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
             80.0, 160.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_STEPS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 # time.monotonic() when the request being handled reached the server, set by StatusCounter; a
 # context variable because a stream's body runs in a task of its own, after the route has returned.
@@ -151,6 +152,9 @@ class ServerMetrics:
                                 "once since start: the cache takes memory on first write and keeps it (prefix-cached "
                                 "blocks keep their KV), so resident memory grows with this up to the capacity.",
                                 lbl, registry=r)
+        self.step_seconds = Histogram("wafer:engine_step_seconds", "Wall time of each engine step, by kind (prompt: "
+                                      "it computed prompt tokens, with or without decodes; decode: only decodes).",
+                                      [*lbl, "kind"], buckets=_STEPS, registry=r)
         self.batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
         self.prefix_hit_rate = Gauge("wafer:prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / prompt tokens looked up.", lbl,
@@ -172,6 +176,7 @@ class ServerMetrics:
         self.kv_capacity.labels(name).set_function(lambda: engine.stats().kv_capacity_bytes)
         self.kv_written.labels(name).set_function(lambda: engine.stats().kv_written_bytes)
         self.batch.labels(name).set_function(lambda: engine.stats().last_batch_size)
+        engine.step_observers.append(lambda step: self.step_seconds.labels(name, step.kind).observe(step.seconds))
         self.prefix_hit_rate.labels(name).set_function(lambda: engine.stats().prefix_hit_rate)
 
     def add_replicas(self, pools: dict[str, Any]) -> None:

@@ -48,20 +48,22 @@ class LoopStalls:
 
     longest: float  # the gauge: the longest stall since the server started
     buckets: dict[float, float]  # histogram: upper bound -> observations at or below it (cumulative)
-    # wafer:engine_step_seconds by kind (prompt, decode), every model's together: steps in all, and
-    # steps within STALL_LIMIT. An engine step holds the loop, so it is one cause of a stall.
-    steps: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # wafer:engine_step_seconds by kind (prompt, decode), every model's together: upper bound ->
+    # steps at or below it (cumulative). An engine step holds the loop, so it is one cause of a stall.
+    steps: dict[str, dict[float, float]] = field(default_factory=dict)
 
     def over(self, earlier: LoopStalls, limit: float = STALL_LIMIT) -> int:
         """Stalls longer than `limit` (a bucket bound) observed since `earlier`."""
         total = self.buckets[float("inf")] - earlier.buckets[float("inf")]
         return int(total - (self.buckets[limit] - earlier.buckets[limit]))
 
-    def steps_over(self, earlier: LoopStalls, kind: str) -> int:
-        """Engine steps of `kind` longer than STALL_LIMIT since `earlier`."""
-        total, within = self.steps.get(kind, (0.0, 0.0))
-        total0, within0 = earlier.steps.get(kind, (0.0, 0.0))
-        return int((total - total0) - (within - within0))
+    def steps_within(self, earlier: LoopStalls, kind: str, bound: float) -> int:
+        """Engine steps of `kind` since `earlier` that took at most `bound` seconds (a bucket bound)."""
+        return int(self.steps.get(kind, {}).get(bound, 0.0) - earlier.steps.get(kind, {}).get(bound, 0.0))
+
+    def steps_over(self, earlier: LoopStalls, kind: str, limit: float = STALL_LIMIT) -> int:
+        """Engine steps of `kind` longer than `limit` (a bucket bound) since `earlier`."""
+        return self.steps_within(earlier, kind, float("inf")) - self.steps_within(earlier, kind, limit)
 
     def longest_since(self, earlier: LoopStalls) -> tuple[float, bool]:
         """The longest stall since `earlier` and whether that is exact: it is when it set a new maximum;
@@ -122,6 +124,18 @@ class Report:
         assert self.before is not None and self.after is not None
         return sum(self.after.steps_over(self.before, k) for k in ("prompt", "decode"))
 
+    def step_spread(self, kind: str) -> str:
+        """How many steps of `kind` fell in each bucket of wafer:engine_step_seconds from 25 ms up."""
+        assert self.before is not None and self.after is not None
+        bounds = [b for b in sorted(self.after.steps.get(kind, {})) if b >= 0.025]
+        parts, low = [], 0.0
+        for b in bounds:
+            n = self.after.steps_within(self.before, kind, b) - (self.after.steps_within(self.before, kind, low) if low else 0)
+            label = f"<= {b * 1000:.0f}" if not low else (f"> {low * 1000:.0f}" if b == float("inf") else f"{low * 1000:.0f}-{b * 1000:.0f}")
+            parts.append(f"{label}: {n}")
+            low = b
+        return ", ".join(parts) or "none"
+
     def longest_stall(self) -> str:
         assert self.before is not None and self.after is not None
         seconds, exact = self.after.longest_since(self.before)
@@ -144,6 +158,7 @@ class Report:
             [f"stalls over {STALL_LIMIT * 1000:.0f} ms", str(self.stalls_during())],
             [f"engine steps over {STALL_LIMIT * 1000:.0f} ms (prompt / decode)",
              " / ".join(str(self.after.steps_over(self.before, k)) for k in ("prompt", "decode"))],
+            ["prompt steps by wall time (ms)", self.step_spread("prompt")],
             ["healthy afterwards", "yes" if self.healthy is None else f"NO: {self.healthy}"],
         ]
         sources = ", ".join(f"{k} {n}" for k, n in sorted(by_source.items()))
@@ -234,19 +249,19 @@ def send(client: httpx.Client, base: str, req: FuzzRequest, bound: float, source
 def loop_stalls(base: str) -> LoopStalls:
     longest = None
     buckets: dict[float, float] = {}
-    steps: dict[str, list[float]] = {}
+    steps: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
         for s in family.samples:
             if s.name == "wafer:event_loop_max_stall_seconds":
                 longest = s.value
             elif s.name == "wafer:event_loop_stall_seconds_bucket":
                 buckets[float(s.labels["le"])] = s.value
-            elif s.name == "wafer:engine_step_seconds_bucket" and float(s.labels["le"]) in (STALL_LIMIT, float("inf")):
-                counts = steps.setdefault(s.labels["kind"], [0.0, 0.0])
-                counts[0 if s.labels["le"] in ("+Inf", "inf") else 1] += s.value
+            elif s.name == "wafer:engine_step_seconds_bucket":
+                counts = steps.setdefault(s.labels["kind"], {})
+                counts[float(s.labels["le"])] = counts.get(float(s.labels["le"]), 0.0) + s.value
     if longest is None or STALL_LIMIT not in buckets:
         raise RuntimeError("/metrics lacks wafer:event_loop_max_stall_seconds or its histogram's 0.1 s bucket")
-    return LoopStalls(longest, buckets, {k: (v[0], v[1]) for k, v in steps.items()})
+    return LoopStalls(longest, buckets, steps)
 
 
 def health_problem(base: str, model: str, timeout: float = 60.0) -> str | None:

@@ -63,6 +63,7 @@ class StepTiming:
     seconds: float
     sequences: int
     prompt_tokens: int  # 0: a decode step
+    forward_seconds: float = 0.0  # of `seconds`: scheduling and the forward pass; the rest picked the tokens
 
     @property
     def kind(self) -> str:
@@ -223,8 +224,9 @@ class AsyncEngine:
         except Exception as e:  # the server must stay up: fail these requests, keep serving
             self._fail_running(e)
             return True
-        self._timed(StepTiming(time.perf_counter() - started, self.engine.stats.last_batch_size,
-                               self.engine.stats.prompt_tokens - prompt_before))
+        stats = self.engine.stats
+        self._timed(StepTiming(time.perf_counter() - started, stats.last_batch_size,
+                               stats.prompt_tokens - prompt_before, stats.last_forward_seconds))
         for out in outputs:
             req = self._by_seq.get(out.seq_id)
             if req is None:
@@ -245,8 +247,9 @@ class AsyncEngine:
 
     def _timed(self, step: StepTiming) -> None:
         if step.seconds > SLOW_STEP_SECONDS:
-            log.info("a %s step took %.0f ms (%d sequences, %d prompt tokens): every stream waited as long",
-                     step.kind, step.seconds * 1000, step.sequences, step.prompt_tokens)
+            log.info("a %s step took %.0f ms (%d sequences, %d prompt tokens; the forward pass %.0f ms, picking "
+                     "the tokens the rest): every stream waited as long", step.kind, step.seconds * 1000,
+                     step.sequences, step.prompt_tokens, step.forward_seconds * 1000)
         for observe in self.step_observers:
             observe(step)
 

@@ -101,6 +101,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     last_batch_size: int = 0  # sequences advanced by the most recent step
+    last_forward_seconds: float = 0.0  # of the most recent step: scheduling and the forward pass, before its tokens are picked
     max_batch_size: int = 0  # the most sequences one step has advanced
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -405,6 +406,7 @@ class LLMEngine:
         give several); `outputs` already holds the sequences the forward pass failed."""
         self.stats.steps += 1
         self.stats.last_batch_size = len(scheduled)
+        self.stats.last_forward_seconds = seconds
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
         if len(scheduled) > 1:
             self.stats.batched_steps += 1

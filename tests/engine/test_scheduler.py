@@ -26,7 +26,7 @@ def test_a_long_prompt_is_read_in_steps_of_bounded_time(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
     # as if learned: 20 prompt tokens fit in the step's 20 ms on this machine's compute threads
-    engine.step_cost.observe(1, 0, 0.001 * torch.get_num_threads())
+    engine.step_cost.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
     engine._time_prefill = lambda scheduled, seconds: None  # and kept, whatever this machine's cost
     counts = _prompt_tokens_per_step(engine, long_prompt)
     assert max(counts[:-1]) <= 20 and max(counts) <= 20, counts
@@ -41,7 +41,7 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
     request) for as long as it runs."""
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
-    engine.step_cost.observe(1, 0, 0.001 * torch.get_num_threads())
+    engine.step_cost.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
     engine._time_prefill = lambda scheduled, seconds: None  # keep the cost as set, whatever this machine's
     seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     counts = []
@@ -63,7 +63,7 @@ def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smoll
                                             prefix_caching=False, prefill_step_seconds=0.02))
     threads = torch.get_num_threads()
     for tokens, positions in [(10, 0), (10, 1000), (20, 5000)]:  # a = 1 ms, b = 0.01 ms, per core
-        engine.step_cost.observe(tokens, positions, threads * (0.001 * tokens + 0.00001 * positions))
+        engine.step_cost.observe(threads, tokens, positions, threads * (0.001 * tokens + 0.00001 * positions))
     engine._time_prefill = lambda scheduled, seconds: None
     cap, per_position = engine._prefill_cap()
     assert cap == 20 and abs(per_position - 0.01) < 1e-9
@@ -83,22 +83,27 @@ def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.05))
     assert engine._prefill_cap() == (None, 0.0)  # nothing measured yet: no cap
     engine.generate([list(range(100, 300))], SamplingParams(max_tokens=2, temperature=0))
-    a, b = engine.step_cost.coefficients()
+    a, b = engine.step_cost.coefficients(torch.get_num_threads())
     assert 0 < a < 0.05 and b >= 0
     assert engine._prefill_cap()[0] >= 8
 
 
 def test_a_step_on_fewer_compute_threads_takes_a_smaller_chunk(smollm):
     """The cost is learned per core: where the server leaves a core to a request it prepares, a step's
-    chunk shrinks with its threads, so that the step still takes about the time allowed."""
+    chunk shrinks with its threads, so that the step still takes about the time allowed; once steps
+    on one thread have been timed, their own cost sizes their chunks."""
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.064))
-    engine.step_cost.observe(1, 0, 0.002)
+    engine.step_cost.observe(2, 1, 0, 0.002)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         assert engine._prefill_cap() == (64, 0.0)
         torch.set_num_threads(1)
         assert engine._prefill_cap() == (32, 0.0)
+        engine.step_cost.observe(1, 1, 0, 0.0016)  # on one thread a token costs fewer core-seconds
+        assert engine._prefill_cap() == (40, 0.0)
+        torch.set_num_threads(2)
+        assert engine._prefill_cap() == (64, 0.0)
     finally:
         torch.set_num_threads(before)
 

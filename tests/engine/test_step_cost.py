@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from wafer.engine.step_cost import StepCost, positions_of, tokens_within
+from wafer.engine.step_cost import StepCost, StepCosts, positions_of, tokens_within
 
 
 def test_the_fit_recovers_a_cost_per_token_and_per_position():
@@ -35,6 +35,17 @@ def test_steps_at_one_position_leave_the_cost_per_position_at_zero():
     cost.observe(32, 0, 0.032)
     cost.observe(16, 0, 0.016)
     assert cost.coefficients() == (0.001, 0.0)
+
+
+def test_each_thread_count_has_its_own_fit_and_an_unseen_one_borrows_the_nearest():
+    costs = StepCosts()
+    assert costs.coefficients(2) is None
+    for _ in range(10):
+        costs.observe(1, 16, 0, 0.016)  # 1 ms a token on one thread
+        costs.observe(2, 16, 0, 0.020)  # on two, parallel work costs 25% more core-seconds
+    assert costs.coefficients(1) == (0.001, 0.0)
+    assert abs(costs.coefficients(2)[0] - 0.00125) < 1e-12  # not the mixture of both
+    assert costs.coefficients(3) == costs.coefficients(2) and costs.coefficients(8) == costs.coefficients(2)
 
 
 def test_tokens_within_is_the_most_that_fit():

@@ -33,7 +33,7 @@ from wafer.engine.speculative import (
     SpecStats,
     rejection_sample,
 )
-from wafer.engine.step_cost import StepCost, positions_of
+from wafer.engine.step_cost import StepCosts, positions_of
 from wafer.models.llama import LlamaModel
 from wafer.models.loader import LoadedModel
 from wafer.models.tokenizer import IncrementalDetokenizer
@@ -166,7 +166,7 @@ class LLMEngine:
         self.draft_length = DraftLength(spec.num_tokens) if adaptive and self.pipeline is None else None
         self._step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
         self._kept = False  # the last step verified drafts and kept every one whole: DraftLength's context
-        self.step_cost = StepCost()  # what a step's tokens cost, learned from its prompt steps (step_cost.py)
+        self.step_cost = StepCosts()  # what a step's tokens cost, learned from its prompt steps (step_cost.py)
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
         spec = self.config.speculative
@@ -451,7 +451,7 @@ class LLMEngine:
         """The prompt work a step may take, in tokens at position 0, and what a position adds to a
         token's cost in those (the scheduler's prefill_cap and per_position); no cap before a prompt
         step has been timed."""
-        fit = self.step_cost.coefficients()
+        fit = self.step_cost.coefficients(torch.get_num_threads())
         if self.config.prefill_step_seconds is None or fit is None:
             return None, 0.0
         a, b = fit
@@ -461,7 +461,7 @@ class LLMEngine:
         """Learn the cost of a token from steps of some prompt work (step_cost.py)."""
         prompt = sum(max(0, min(item.count, item.seq.num_prompt - item.start)) for item in scheduled)
         if prompt >= MIN_CHUNK:
-            self.step_cost.observe(sum(item.count for item in scheduled),
+            self.step_cost.observe(torch.get_num_threads(), sum(item.count for item in scheduled),
                                    sum(positions_of(item.start, item.count) for item in scheduled),
                                    seconds * torch.get_num_threads())
 

@@ -23,8 +23,9 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from wafer.engine import defaults
 from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads, binding_wanted
@@ -63,7 +64,9 @@ class StepTiming:
     seconds: float
     sequences: int
     prompt_tokens: int  # 0: a decode step
-    forward_seconds: float = 0.0  # of `seconds`: scheduling and the forward pass; the rest picked the tokens
+    # Scheduling and the forward pass, the rest of `seconds` picking the tokens (through pipeline
+    # stages: since the step was sent, which may be before this call began).
+    forward_seconds: float = 0.0
 
     @property
     def kind(self) -> str:

@@ -45,6 +45,22 @@ def test_penalties_and_bias():
     assert toks == [2]
 
 
+def test_the_repetition_penalty_follows_a_growing_sequence_looking_only_at_new_tokens():
+    """The distinct tokens are kept up to date as the sequence grows (repeats, new ids, several at once
+    as verified drafts add them), and each step penalises exactly the set of every token so far."""
+    rng = torch.Generator().manual_seed(0)
+    s = seq(SamplingParams(repetition_penalty=1.3), prompt=[5, 9, 5, 200], out=[])
+    logits = torch.randn(256, generator=rng)
+    for added in ([], [9], [7, 7, 5], [300 % 256], list(range(40, 140)), [3, 3, 3], []):
+        s.tokens.extend(added)
+        ids = torch.tensor(sorted(set(s.tokens)))
+        want = logits.clone()
+        want[ids] = torch.where(want[ids] > 0, want[ids] / 1.3, want[ids] * 1.3)
+        assert torch.equal(apply_penalties(logits.clone(), s), want)
+        assert s.seen is not None and s.seen._upto == len(s.tokens)
+    assert sorted(s.seen.of(s.tokens).tolist()) == sorted(set(s.tokens))
+
+
 def test_sampling_follows_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().view(1, -1)

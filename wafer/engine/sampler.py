@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from wafer.engine.sequence import Sequence, TokenLogprob
+from wafer.engine.sequence import SeenTokens, Sequence, TokenLogprob
 from wafer.models.kernels import kernels
 
 
@@ -16,7 +16,9 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     output, as OpenAI defines them) penalties and logit bias, on one row."""
     p = seq.params
     if p.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long)
+        if seq.seen is None:
+            seq.seen = SeenTokens()
+        ids = seq.seen.of(seq.tokens)
         vals = logits[ids]
         logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if p.presence_penalty or p.frequency_penalty:

@@ -59,6 +59,38 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
+class SeenTokens:
+    """The distinct tokens of a sequence so far, as the repetition penalty reads them: brought up to
+    date with the tokens added since it last looked, not collected from the whole sequence at every
+    step (which took about 0.9 ms a step at 8,000 tokens, for every sequence of the Qwen tiers, whose
+    default penalty is 1.1)."""
+
+    def __init__(self) -> None:
+        self._upto = 0  # tokens looked at
+        self._ids: set[int] = set()
+        self._buf = torch.empty(0, dtype=torch.long)  # the distinct ids, in the order first seen
+        self._n = 0
+
+    def of(self, tokens: list[int]) -> torch.Tensor:
+        if len(tokens) < self._upto:  # tokens only grow today; were some taken back, start again
+            self.__init__()
+        fresh: list[int] = []
+        for t in tokens[self._upto :]:
+            if t not in self._ids:
+                self._ids.add(t)
+                fresh.append(t)
+        self._upto = len(tokens)
+        if fresh:
+            need = self._n + len(fresh)
+            if need > self._buf.numel():
+                grown = torch.empty(max(need, 2 * self._buf.numel(), 64), dtype=torch.long)
+                grown[: self._n] = self._buf[: self._n]
+                self._buf = grown
+            self._buf[self._n : need] = torch.tensor(fresh, dtype=torch.long)
+            self._n = need
+        return self._buf[: self._n]
+
+
 @dataclass(eq=False)
 class Sequence:
     """One generation: its prompt, what it produced, and where its KV lives."""
@@ -79,6 +111,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     matcher: Any = None  # llguidance matcher when params.grammar is set
+    seen: SeenTokens | None = None  # made at the first step with a repetition penalty
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -61,6 +61,45 @@ def test_the_repetition_penalty_follows_a_growing_sequence_looking_only_at_new_t
     assert sorted(s.seen.of(s.tokens).tolist()) == sorted(set(s.tokens))
 
 
+def test_the_kernels_candidates_draw_what_torchs_would(monkeypatch):
+    """A batch of rows at several settings (one that nothing filters, one greedy among them, one with
+    +inf) draws the same tokens from the same seeds whether the candidates come from the kernels'
+    top_candidates or from torch's softmax and topk."""
+    from wafer.engine import sampler as sampler_module
+    from wafer.models.kernels import kernels
+
+    if kernels() is None:
+        import pytest
+        pytest.skip("wafer's kernels are off here (WAFER_KERNELS=off): only torch's way runs")
+    g = torch.Generator().manual_seed(4)
+    settings = [dict(temperature=0.7, top_p=0.8, top_k=20), dict(temperature=1.0), dict(temperature=0.2, top_p=0.9),
+                dict(temperature=1.3, min_p=0.05), dict(temperature=0), dict(temperature=0.9, top_k=1000)]
+    logits = torch.randn(len(settings), 3000, generator=g) * 3
+    logits[2, 17] = float("inf")
+
+    def draws() -> list[list[int]]:
+        seqs = [seq(SamplingParams(seed=i, **kw)) for i, kw in enumerate(settings)]
+        sampler = Sampler(0)
+        return [sampler(logits.clone(), seqs)[0] for _ in range(40)]
+
+    real, calls = kernels(), []
+
+    class Spy:  # the kernels, counting the calls that matter here
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def top_candidates(self, *args):
+            calls.append(args[0].shape[0])
+            return real.top_candidates(*args)
+
+    monkeypatch.setattr(sampler_module, "kernels", Spy)
+    with_kernels = draws()
+    assert calls and all(rows == len(settings) - 1 for rows in calls)  # the sampled rows, not the greedy one
+    monkeypatch.setattr(sampler_module, "kernels", lambda: None)
+    assert draws() == with_kernels
+    assert all(row[2] == 17 for row in with_kernels)
+
+
 def test_sampling_follows_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().view(1, -1)

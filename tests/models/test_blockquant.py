@@ -136,6 +136,33 @@ def test_argmax_rows_is_torch_max(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_top_candidates_are_torch_softmax_then_topk(variant):
+    """Each row's k best at its temperature and their probabilities, as the sampler computed them with
+    torch (tempered, softmax, topk): +inf wins, NaN and -inf are masked, a row with nothing left is NaN."""
+    from wafer.engine.sampler import tempered
+
+    k = load(variant)
+    g = torch.Generator().manual_seed(3)
+    for v in (5, 17, 1000, 151936):
+        x = torch.randn(5, v, generator=g) * 4
+        x[1, v // 2] = float("inf")
+        x[1, 0] = float("nan")
+        x[2, : v - 2] = float("-inf")
+        x[3] = float("-inf")
+        t = torch.tensor([0.7, 1.0, 1.3, 0.5, 2.0])
+        probs, idx = k.top_candidates(x, t, 256)
+        want = tempered(x, t.unsqueeze(1)).softmax(-1).topk(min(256, v), dim=-1)
+        live = [0, 1, 2, 4]
+        assert probs.shape == idx.shape == (5, min(256, v))
+        assert torch.allclose(probs[live], want.values[live], rtol=1e-5, atol=1e-7), (variant, v)
+        assert torch.equal(idx[live][want.values[live] > 0], want.indices[live][want.values[live] > 0]), (variant, v)
+        assert probs[1, 0] == 1.0 and idx[1, 0] == v // 2 and probs[2, 2:].eq(0).all()
+        assert torch.isnan(probs[3]).all()
+    with pytest.raises(RuntimeError, match="positive"):
+        k.top_candidates(torch.zeros(1, 8), torch.zeros(1), 4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_bad_shapes_are_refused(variant):
     k = load(variant)
     packed = bq.pack_blocks(*bq.quantize_codes(torch.randn(8, 64), 4), 4)

@@ -1,4 +1,4 @@
-"""The kernels' standalone self-test (csrc/selftest.cpp: block_linear, argmax_rows, exp, softmax,
+"""The kernels' standalone self-test (csrc/selftest.cpp: block_linear, argmax_rows, top_candidates, exp, softmax,
 rms_norm and a small decode_step against scalar references in C++, no torch) built and run for
 every instruction-set variant of kernels.py that this machine can execute: natively each variant the
 CPU runs (portable always), and the NEON variants, which an x86 machine cannot load into PyTorch,

@@ -32,6 +32,15 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
+def tempered(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """logits / temperature, made safe to softmax: extreme penalties (repetition_penalty 1e-300 divides
+    a logit to infinity) or temperatures must not make NaN probabilities, which would fail the whole
+    step, so an infinite logit becomes the largest float and wins outright, as it would greedily, and
+    a masked (-inf) or NaN one is masked. The kernels' top_candidates does the same."""
+    return torch.nan_to_num(logits / temperature, nan=float("-inf"), neginf=float("-inf"),
+                            posinf=torch.finfo(logits.dtype).max)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask (to -inf) what top-k, top-p and min-p exclude; logits already divided by temperature."""
     if top_k > 0 and top_k < logits.shape[-1]:
@@ -128,14 +137,21 @@ class Sampler:
         drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not drawn:
             return chosen
-        temps = torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype).unsqueeze(1)
-        # Extreme penalties (repetition_penalty 1e-300 divides a logit to infinity) or temperatures must
-        # not make NaN probabilities, which would fail the whole step: an infinite logit becomes the
-        # largest float, so it wins outright, as it would greedily; a masked (-inf) one stays masked.
-        scaled = torch.nan_to_num(logits[drawn] / temps, nan=float("-inf"), neginf=float("-inf"),
-                                  posinf=torch.finfo(logits.dtype).max)
-        probs = scaled.softmax(-1)
-        top, idx = probs.topk(min(CANDIDATES, probs.shape[-1]), dim=-1)
+        t = [seqs[i].params.temperature for i in drawn]
+        temps = torch.tensor(t, dtype=logits.dtype)
+        rows = logits if len(drawn) == logits.shape[0] else logits[drawn]
+        ext = kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
+        scaled: torch.Tensor | None = None
+        if ext is not None and rows.stride(-1) == 1 and all(0.0 < x < math.inf for x in t):
+            # Two passes that read the rows, where torch's way below makes four row-sized tensors.
+            top, idx = ext.top_candidates(rows, temps, CANDIDATES)
+        else:
+            scaled = tempered(rows, temps.unsqueeze(1))
+            top, idx = scaled.softmax(-1).topk(min(CANDIDATES, rows.shape[-1]), dim=-1)
+
+        def whole(r: int) -> torch.Tensor:  # row r tempered, where its candidates do not settle the draw
+            return scaled[r] if scaled is not None else tempered(rows[r], temps[r])
+
         cum = top.cumsum(-1)
         top_l, cum_l, idx_l = top.tolist(), cum.tolist(), idx.tolist()
         for r, i in enumerate(drawn):
@@ -153,12 +169,12 @@ class Sampler:
                 if n is not None or j < len(cum_l[r]):
                     chosen[i] = idx_l[r][min(j, (n or len(cum_l[r])) - 1)]
                 else:
-                    rest = probs[r].clone()
+                    rest = whole(r).softmax(-1)
                     rest[idx[r]] = 0.0
                     tail = float(rest.sum()) > 0.0  # none when the candidates are the whole row
                     chosen[i] = int(torch.multinomial(rest, 1, generator=gen)) if tail else idx_l[r][-1]
             else:
-                dist = filter_logits(scaled[r], p.top_k, p.top_p, p.min_p).softmax(-1)
+                dist = filter_logits(whole(r), p.top_k, p.top_p, p.min_p).softmax(-1)
                 chosen[i] = int(torch.multinomial(dist, 1, generator=gen))
         return chosen
 
@@ -169,13 +185,9 @@ class Sampler:
             row = apply_penalties(row.clone(), seq)
         if p.greedy:
             return row
-        # Extreme penalties (repetition_penalty 1e-300 divides a logit to infinity) or temperatures must
-        # not make NaN probabilities, which would fail the whole step: an infinite logit becomes the
-        # largest float, so it wins outright, as it would greedily; a masked (-inf) one stays masked, and
-        # a row with nothing left fails (its sequence alone), where it was once drawn from uniformly.
-        scaled = torch.nan_to_num(row / p.temperature, nan=float("-inf"), neginf=float("-inf"),
-                                  posinf=torch.finfo(row.dtype).max)
-        return filter_logits(scaled, p.top_k, p.top_p, p.min_p).softmax(-1)
+        # A row with nothing left (every logit masked) fails, its sequence alone, where it was once
+        # drawn from uniformly.
+        return filter_logits(tempered(row, p.temperature), p.top_k, p.top_p, p.min_p).softmax(-1)
 
     def sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
         dist = self.processed(row, seq)

@@ -8,6 +8,7 @@
 #define WAFER_NUM_THREADS at::get_num_threads
 #define WAFER_THREAD_NUM at::get_thread_num
 #include "decode.h"
+#include "sampling.h"
 
 namespace {
 
@@ -235,6 +236,24 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     return out;
 }
 
+// Each row's k most probable tokens at its temperature, with their probabilities (sampling.h).
+std::tuple<torch::Tensor, torch::Tensor> top_candidates(torch::Tensor x, torch::Tensor temps, int64_t k) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x: [M, V] float32, rows contiguous");
+    TORCH_CHECK(x.size(1) > 0, "V must be at least 1");
+    TORCH_CHECK(temps.dim() == 1 && temps.scalar_type() == torch::kFloat32 && temps.size(0) == x.size(0),
+                "temps: float32 [M]");
+    temps = temps.contiguous();
+    const float* t = temps.data_ptr<float>();
+    for (int64_t r = 0; r < x.size(0); ++r) TORCH_CHECK(t[r] > 0.0f && std::isfinite(t[r]), "temperatures must be positive");
+    k = std::min<int64_t>(k, x.size(1));
+    TORCH_CHECK(k >= 1, "k must be at least 1");
+    auto probs = torch::empty({x.size(0), k}, torch::kFloat32);
+    auto idx = torch::empty({x.size(0), k}, torch::kInt64);
+    wafer::top_candidates(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), t, k, probs.data_ptr<float>(),
+                          idx.data_ptr<int64_t>());
+    return {probs, idx};
+}
+
 // Rows `ids` of an embedding table kept in GGUF's Q8_0 blocks (raw [vocab, row bytes] uint8: for
 // each 32 values a float16 scale d and 32 int8 codes q), as float32 [len(ids), dim]: d * q, the one
 // rounding of gguf-py's arithmetic. One call where PyTorch took several: between decode steps the
@@ -276,6 +295,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
             py::call_guard<py::gil_scoped_release>());
     mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1)",
             py::call_guard<py::gil_scoped_release>());
+    mod.def("top_candidates", &top_candidates, "each row's k most probable tokens at its temperature and their "
+            "probabilities, as softmax(x / t) then topk", py::call_guard<py::gil_scoped_release>());
     mod.def("embed_q8_0", &embed_q8_0, "rows of an embedding table in GGUF's Q8_0 blocks, as float32",
             py::call_guard<py::gil_scoped_release>());
 }

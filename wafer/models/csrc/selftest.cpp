@@ -47,6 +47,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
 #define WAFER_THREAD_NUM() selftest::thread_num
 
 #include "decode.h"
+#include "sampling.h"
 
 namespace {
 
@@ -502,6 +503,63 @@ void test_argmax() {
             }
         check(wrong == 0, "argmax_rows V=%lld (random, ties, NaN, -inf, +inf, signed zeros): %d of %d rows wrong",
               static_cast<long long>(V), wrong, kinds);
+    }
+}
+
+// top_candidates against a plain reference: tempered values in double, sorted best first (equal
+// values: the lower index first), probabilities exp(v - max) / sum.
+void test_top_candidates() {
+    Rng rng(5);
+    const float inf = INFINITY, nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t V : {1, 17, 300, 5000}) {
+        const int kinds = 6;
+        const int64_t stride = V + 3, k = std::min<int64_t>(V, 64);
+        std::vector<float> X(kinds * stride, nan), t(kinds);
+        for (int r = 0; r < kinds; ++r) {
+            float* p = X.data() + r * stride;
+            for (int64_t i = 0; i < V; ++i) p[i] = static_cast<float>(3.0 * rng.normal());
+            t[r] = r % 2 ? 0.7f : 1.3f;
+            auto at = [&](int64_t i) -> float& { return p[std::min(V - 1, i)]; };
+            switch (r) {
+                case 1: for (int64_t i = 0; i < V; ++i) p[i] = static_cast<float>(i % 5); break;  // ties
+                case 2: at(V / 2) = inf; at(0) = nan; break;                                       // +inf wins
+                case 3: for (int64_t i = 0; i < V; ++i) p[i] = (i % 4) ? -inf : p[i]; break;      // mostly masked
+                case 4: for (int64_t i = 0; i < V; ++i) p[i] = -inf; break;                       // nothing left
+                default: break;
+            }
+        }
+        std::vector<float> probs(kinds * k, -1.0f);
+        std::vector<int64_t> idx(kinds * k, -1);
+        wafer::top_candidates(X.data(), kinds, V, stride, t.data(), k, probs.data(), idx.data());
+        int wrong = 0;
+        for (int r = 0; r < kinds; ++r) {
+            const float* p = X.data() + r * stride;
+            std::vector<std::pair<double, int64_t>> ref;
+            for (int64_t i = 0; i < V; ++i) {
+                float y = p[i] / t[r];
+                y = std::isnan(y) ? -inf : std::min(y, FLT_MAX);
+                ref.push_back({y, i});
+            }
+            std::stable_sort(ref.begin(), ref.end(), [](auto& a, auto& b) { return a.first > b.first; });
+            const double m = ref[0].first;
+            double total = 0.0;
+            for (auto& e : ref) total += std::exp(e.first - m);
+            for (int64_t j = 0; j < k; ++j) {
+                const float got = probs[r * k + j];
+                const bool none = !(m > -inf);  // nothing left: NaN probabilities, as softmax gives
+                const double want = none ? 0.0 : std::exp(ref[j].first - m) / total;
+                const bool ok = none ? std::isnan(got) : idx[r * k + j] == ref[j].second && std::fabs(got - want) <= 1e-6 * std::max(1.0, want) + 1e-7;
+                if (!ok) {
+                    ++wrong;
+                    std::printf("     V=%lld row %d, candidate %lld: got %lld (%g), want %lld (%g)\n", static_cast<long long>(V), r,
+                                static_cast<long long>(j), static_cast<long long>(idx[r * k + j]), got,
+                                static_cast<long long>(ref[j].second), want);
+                    break;
+                }
+            }
+        }
+        check(wrong == 0, "top_candidates V=%lld k=%lld (random, ties, +inf and NaN, masked, nothing left): %d of %d rows wrong",
+              static_cast<long long>(V), static_cast<long long>(k), wrong, kinds);
     }
 }
 
@@ -1003,6 +1061,7 @@ int main() {
     test_block_linear();
     test_block_linear_k();
     test_argmax();
+    test_top_candidates();
     test_exp();
     test_softmax();
     test_rms_norm();

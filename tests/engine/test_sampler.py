@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from wafer.engine.sampler import CANDIDATES, Sampler, apply_penalties, filter_logits, nucleus
+from wafer.engine.sampler import CANDIDATES, Sampler, apply_penalties, filter_logits, kept_distribution, nucleus, tempered
 from wafer.engine.sequence import SamplingParams, Sequence
 
 
@@ -98,6 +98,26 @@ def test_the_kernels_candidates_draw_what_torchs_would(monkeypatch):
     monkeypatch.setattr(sampler_module, "kernels", lambda: None)
     assert draws() == with_kernels
     assert all(row[2] == 17 for row in with_kernels)
+
+
+def test_the_kept_distribution_is_filter_logits_softmax_from_the_candidates():
+    """What speculative verification draws from: the same tokens kept, the same probabilities, at the
+    settings where the candidates hold the kept set; the whole row's way (None) where they may not."""
+    from wafer.models.kernels import kernels
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(50000, generator=g) * 3
+    for kw in (dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0), dict(temperature=0.2, top_k=0, top_p=0.9, min_p=0.0),
+               dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1), dict(temperature=1.5, top_k=5, top_p=1.0, min_p=0.0)):
+        got = kept_distribution(x, **kw)
+        if kernels() is None:
+            assert got is None
+            continue
+        want = filter_logits(tempered(x, kw["temperature"]), kw["top_k"], kw["top_p"], kw["min_p"]).softmax(-1)
+        assert got is not None and torch.equal(got > 0, want > 0) and torch.allclose(got, want, atol=1e-6), kw
+    assert kept_distribution(x, 1.0, 0, 1.0, 0.0) is None  # nothing filters the row: its whole softmax
+    assert kept_distribution(x, 1.0, 1000, 1.0, 0.0) is None  # top-k past the candidates
+    assert kept_distribution(torch.full((300,), float("-inf")), 1.0, 5, 1.0, 0.0) is None  # nothing left
 
 
 def test_sampling_follows_distribution():

@@ -185,6 +185,8 @@ class Sampler:
             row = apply_penalties(row.clone(), seq)
         if p.greedy:
             return row
+        if (kept := kept_distribution(row, p.temperature, p.top_k, p.top_p, p.min_p)) is not None:
+            return kept
         # A row with nothing left (every logit masked) fails, its sequence alone, where it was once
         # drawn from uniformly.
         return filter_logits(tempered(row, p.temperature), p.top_k, p.top_p, p.min_p).softmax(-1)
@@ -197,6 +199,29 @@ class Sampler:
 
     def generator_for(self, seq: Sequence) -> torch.Generator:
         return seq.generator or self.generator
+
+
+def kept_distribution(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                      min_p: float) -> torch.Tensor | None:
+    """What filter_logits(tempered(row)).softmax() gives, from the row's candidates where top-k,
+    top-p and min-p keep fewer than them: the kept tokens' probabilities, renormalised, and zeros.
+    Speculative decoding verifies a sampled row position by position with it, where a sort of the
+    vocabulary each cost milliseconds. None where the kernels are off or the kept set may reach past
+    the candidates (or nothing is left): the whole row's way then."""
+    ext = kernels() if row.device.type == "cpu" and row.dtype == torch.float32 else None
+    if ext is None or row.dim() != 1 or row.stride(0) != 1 or not 0.0 < temperature < math.inf:
+        return None
+    top, idx = ext.top_candidates(row.view(1, -1), torch.tensor([temperature], dtype=row.dtype), CANDIDATES)
+    cum = top[0].cumsum(0)
+    top_l, cum_l = top[0].tolist(), cum.tolist()
+    if not math.isfinite(cum_l[-1]):
+        return None
+    n = nucleus(top_l, cum_l, top_k, top_p, min_p)
+    if n is None:
+        return None
+    dist = torch.zeros_like(row)
+    dist[idx[0, :n]] = top[0, :n] / cum[n - 1]
+    return dist
 
 
 def best(logits: torch.Tensor) -> torch.Tensor:

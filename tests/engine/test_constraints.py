@@ -110,3 +110,17 @@ def test_after_an_empty_completion_the_next_search_does_not_wait(smollm):
     constraints.step_fuel = 0
     plan = matcher.completion(tokens_left=500)
     assert plan, "searched although the step's fuel was spent"
+
+
+def test_generate_follows_a_grammar_outside_the_servers_inference_mode(smollm):
+    """LLMEngine used directly (not under the server's torch.inference_mode) on the default compute
+    path: the grammar's mask changes the step's logits in place, which must not fail the sequence."""
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+
+    assert not torch.is_inference_mode_enabled()
+    engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512))
+    params = SamplingParams(max_tokens=120, temperature=0.7, seed=3, grammar=_grammar())
+    seq = engine.generate([smollm.tokenizer.encode("A JSON object:", add_special_tokens=False)], params)[0]
+    assert seq.finish_reason == "stop", seq.finish_reason
+    assert set(SCHEMA["required"]) <= set(json.loads(seq.text))

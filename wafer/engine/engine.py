@@ -279,6 +279,9 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # --- the step ---------------------------------------------------------------------------
+    # In inference mode, as the server steps: the logits are inference tensors (the forward pass makes
+    # them so), and a grammar's mask changes them in place, which torch refuses outside the mode.
+    @torch.inference_mode()
     def step(self) -> list[SequenceOutput]:
         """One forward pass over the scheduled sequences and a token (or several) for each: schedule,
         run, process the outputs. A failure that belongs to one sequence (its sampling parameters,

@@ -137,14 +137,11 @@ class Sampler:
         drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not drawn:
             return chosen
-        t = [seqs[i].params.temperature for i in drawn]
-        temps = torch.tensor(t, dtype=logits.dtype)
+        temps = torch.tensor([seqs[i].params.temperature for i in drawn], dtype=logits.dtype)
         rows = logits if len(drawn) == logits.shape[0] else logits[drawn]
-        ext = kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
         scaled: torch.Tensor | None = None
-        if ext is not None and rows.stride(-1) == 1 and all(0.0 < x < math.inf for x in t):
-            # Two passes that read the rows, where torch's way below makes four row-sized tensors.
-            top, idx = ext.top_candidates(rows, temps, CANDIDATES)
+        if (found := kernel_candidates(rows, temps)) is not None:
+            top, idx = found
         else:
             scaled = tempered(rows, temps.unsqueeze(1))
             top, idx = scaled.softmax(-1).topk(min(CANDIDATES, rows.shape[-1]), dim=-1)
@@ -201,6 +198,17 @@ class Sampler:
         return seq.generator or self.generator
 
 
+def kernel_candidates(rows: torch.Tensor, temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's CANDIDATES most probable tokens at its temperature and their probabilities, as
+    tempered(rows).softmax().topk() gives them, from wafer's kernel (two passes that read the rows,
+    where torch's way makes four row-sized tensors); None where it does not run (another device or
+    type, WAFER_KERNELS=off, a temperature that is not a positive finite number)."""
+    ext = kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
+    if ext is None or rows.stride(-1) != 1 or not all(0.0 < t < math.inf for t in temps.tolist()):
+        return None
+    return ext.top_candidates(rows, temps.to(torch.float32), CANDIDATES)
+
+
 def kept_distribution(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
                       min_p: float) -> torch.Tensor | None:
     """What filter_logits(tempered(row)).softmax() gives, from the row's candidates where top-k,
@@ -208,10 +216,9 @@ def kept_distribution(row: torch.Tensor, temperature: float, top_k: int, top_p: 
     Speculative decoding verifies a sampled row position by position with it, where a sort of the
     vocabulary each cost milliseconds. None where the kernels are off or the kept set may reach past
     the candidates (or nothing is left): the whole row's way then."""
-    ext = kernels() if row.device.type == "cpu" and row.dtype == torch.float32 else None
-    if ext is None or row.dim() != 1 or row.stride(0) != 1 or not 0.0 < temperature < math.inf:
+    if row.dim() != 1 or (found := kernel_candidates(row.view(1, -1), torch.tensor([temperature]))) is None:
         return None
-    top, idx = ext.top_candidates(row.view(1, -1), torch.tensor([temperature], dtype=row.dtype), CANDIDATES)
+    top, idx = found
     cum = top[0].cumsum(0)
     top_l, cum_l = top[0].tolist(), cum.tolist()
     if not math.isfinite(cum_l[-1]):

@@ -11,6 +11,11 @@
   at a time over the whole vocabulary (`sample_row`, what every sampled row cost before), both with
   torch finding the candidates, and the batched draw with wafer's `top_candidates` finding them, on
   the default model's own logits for 1, 16 and 64 rows, and on rows of Qwen2.5's vocabulary size.
+- Sampled decoding, whole (`--sampled MODEL,...`, e.g. luna,terra): a model's decode step at its
+  own default sampling with 16 streams, and n-gram speculation on a code edit with one, the sampler
+  finding its candidates with wafer's kernel against torch's way (the kernels switched off for the
+  sampler alone); one engine, the two run alternately, medians over the rounds; whether the outputs
+  were the same.
 """
 
 from __future__ import annotations
@@ -150,11 +155,75 @@ def sampling(logits: torch.Tensor) -> list[list[str]]:
     return rows
 
 
+def sampled(model: str, rounds: int) -> list[list[str]]:
+    """[model, what, torch's way, the kernel's, speed-up, same outputs] for 16 streams' decode steps
+    (ms a step) and n-gram speculation (tokens/s), each at the model's own default sampling."""
+    import random
+
+    from wafer.engine import sampler as sampler_module
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+    from wafer.engine.speculative import SpeculativeConfig
+    from wafer.models.generation_defaults import NEUTRAL
+
+    loaded = load_model(model, compute="auto")
+    defaults = {**NEUTRAL, **loaded.sampling}  # what the server gives a request that sets none
+    ours = sampler_module.kernels
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 30000) for _ in range(500)]
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(40))
+    edit = loaded.tokenizer.encode(loaded.chat_template.render(
+        [{"role": "user", "content": "Rename every function f to g in this code and print it whole:\n" + code}],
+        add_generation_prompt=True), add_special_tokens=False)
+    plain = LLMEngine(loaded, EngineConfig(max_running=16, max_model_len=4096))
+    spec = LLMEngine(loaded, EngineConfig(max_running=4, max_model_len=4096,
+                                          speculative=SpeculativeConfig(method="ngram", num_tokens=5)))
+
+    def streams() -> tuple[float, list]:
+        seqs = [plain.add(prompt, SamplingParams(max_tokens=24, seed=i, ignore_eos=True, **defaults)) for i in range(16)]
+        while not all(q.output_ids for q in seqs):
+            plain.step()
+        t, n = time.perf_counter(), 0
+        while not all(q.finished for q in seqs):
+            plain.step()
+            n += 1
+        return (time.perf_counter() - t) / n * 1e3, [q.output_ids for q in seqs]
+
+    def speculated() -> tuple[float, list]:
+        q = spec.add(edit, SamplingParams(max_tokens=160, seed=1, ignore_eos=True, **defaults))
+        while not q.output_ids:
+            spec.step()
+        t, before = time.perf_counter(), len(q.output_ids)
+        while not q.finished:
+            spec.step()
+        return (len(q.output_ids) - before) / (time.perf_counter() - t), q.output_ids
+
+    rows = []
+    for what, fn, unit in (("16 streams, ms a step", streams, "ms"), ("n-gram on a code edit, tokens/s", speculated, "tok/s")):
+        got: dict[str, list[float]] = {"torch": [], "kernel": []}
+        outs: dict[str, list] = {"torch": [], "kernel": []}
+        try:
+            for r in range(rounds):
+                for way in (("torch", "kernel") if r % 2 == 0 else ("kernel", "torch")):
+                    sampler_module.kernels = ours if way == "kernel" else (lambda: None)
+                    value, out = fn()
+                    got[way].append(value)
+                    outs[way].append(out)
+        finally:
+            sampler_module.kernels = ours
+        a, b = statistics.median(got["torch"]), statistics.median(got["kernel"])
+        rows.append([model, what, f"{a:.2f}", f"{b:.2f}", f"{a / b if unit == 'ms' else b / a:.2f}x",
+                     "yes" if outs["torch"] == outs["kernel"] else "NO"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--skip-pages", action="store_true", help="leave out the decode runs (minutes)")
+    ap.add_argument("--sampled", default="", metavar="MODEL,...",
+                    help="also sampled decoding with these models (a minute or more each), e.g. luna,terra")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     torch.set_num_threads(THREADS)
@@ -176,6 +245,11 @@ def main() -> None:
     wide = logits.repeat(1, 4)[:, :151936].contiguous()
     print(f"\nThe same on rows of {wide.shape[1]} logits (Qwen2.5's vocabulary size; the default model's, repeated)")
     print(table(head, sampling(wide)))
+    if args.sampled:
+        print(f"\nSampled decoding at each model's default sampling, {THREADS} threads, "
+              f"{args.rounds} rounds alternating; the candidates by torch's way and by top_candidates")
+        rows = [row for m in args.sampled.split(",") for row in sampled(m.strip(), args.rounds)]
+        print(table(["model", "measure", "torch's way", "top_candidates", "speed-up", "same outputs"], rows))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -259,15 +260,52 @@ ANIMALS = ["owls", "bees", "foxes", "whales", "crows", "otters", "ants", "bats",
            "hares", "newts", "larks", "crabs"]
 
 
-def ultra_rows(client: openai.OpenAI, model: str, ns: list[int], forget: Callable[[], None]) -> None:
-    """Ultra against the same parts run one after another, on the same engine: each part as the
-    sub-agent would run it (its instructions, its budget), greedy so that both write the same.
-    `forget` empties the prefix cache (the server idle): each run starts without the other's prompts."""
+def _ultra_once(client: openai.OpenAI, model: str, n: int, task: str, forget: Callable[[], None]) -> dict[str, Any]:
+    forget()
+    t0 = time.perf_counter()
+    r = client.responses.create(model=model, input=task, temperature=0, max_output_tokens=200,
+                                extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": n,
+                                                           "max_output_tokens_per_agent": AGENT_TOKENS}})
+    wall = time.perf_counter() - t0
+    acct = r.model_extra["accounting"]
+    root_turns = [t for t in acct["turns"] if t.get("agent") == "root"]
+    agents = {name: a for name, a in acct["agents"].items() if name != "root"}
+    return {"wall": wall, "plan": root_turns[0]["seconds"], "synthesis": root_turns[-1]["seconds"],
+            "agents": max(a["seconds"] for a in agents.values()),
+            "parts": {name: a["part"] for name, a in acct["ultra"]["agents"].items()},
+            "written": [a["output_tokens"] for a in agents.values()]}
+
+
+def _sequential_once(client: openai.OpenAI, model: str, n: int, task: str, parts: dict[str, str],
+                     forget: Callable[[], None]) -> tuple[float, int]:
+    """Ultra's parts one after another, each as its sub-agent runs it (its instructions, its budget)."""
+    forget()
+    written = 0
+    t0 = time.perf_counter()
+    for name, part in parts.items():
+        one = client.responses.create(
+            model=model, input=ultra.PART.format(name=name, part=part), temperature=0,
+            max_output_tokens=AGENT_TOKENS, instructions=ultra.SUBAGENT.format(n=n, task=task))
+        written += one.usage.output_tokens
+    return time.perf_counter() - t0, written
+
+
+def ultra_rows(client: openai.OpenAI, model: str, ns: list[int], forget: Callable[[], None], rounds: int) -> None:
+    """Ultra against the same parts run one after another, on the same engine, greedy so that both
+    write the same; `rounds` alternating runs of each, medians. `forget` empties the prefix cache
+    (the server idle): each run starts without the other's prompts.
+
+    Two speed-ups. The parts: the N sub-tasks as Ultra's agents ran them against the same N one
+    after another (what the issue compares: a fan-out of N should cost little more than one agent).
+    The whole: Ultra's wall time, its plan and synthesis included, against the parts one after
+    another; and like for like, against the parts one after another with Ultra's plan and synthesis
+    added (the same pipeline at a concurrency of one)."""
     print(f"\nUltra on {model}: N parts at once against the same N parts one after another, greedy; "
-          f"each part up to {AGENT_TOKENS} tokens")
-    print("| N | Ultra wall s | of which plan s | agents s | synthesis s | sequential wall s | speed-up, whole | "
-          "speed-up, the parts (agents s vs sequential) | sequential + Ultra's plan and synthesis s | speed-up on "
-          "that | Ultra tokens written | sequential tokens written | longest part's tokens | the parts' ceiling |")
+          f"each part up to {AGENT_TOKENS} tokens; medians of {rounds} alternating rounds")
+    print("| N | Ultra wall s | of which plan s | agents s | synthesis s | sequential wall s (the N parts) | "
+          "speed-up, the parts (agents s vs sequential) | speed-up, whole (Ultra wall vs sequential) | "
+          "sequential + Ultra's plan and synthesis s | speed-up on that | Ultra tokens written | "
+          "sequential tokens written | longest part's tokens | the parts' ceiling |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     # A first Ultra run pays for what any server pays once (the prefill budget's first measures, the
     # plan grammar's first compile); the rows below are the steady state.
@@ -275,34 +313,26 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int], forget: Callabl
                             temperature=0, max_output_tokens=32,
                             extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": 2,
                                                         "max_output_tokens_per_agent": 32}})
+    med = statistics.median
     for n in ns:
         task = "Write a short paragraph about each of these animals: " + ", ".join(ANIMALS[:n]) + "."
-        forget()
-        t0 = time.perf_counter()
-        r = client.responses.create(model=model, input=task, temperature=0, max_output_tokens=200,
-                                    extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": n,
-                                                               "max_output_tokens_per_agent": AGENT_TOKENS}})
-        wall = time.perf_counter() - t0
-        acct = r.model_extra["accounting"]
-        parts = {name: a["part"] for name, a in acct["ultra"]["agents"].items()}
-        root_turns = [t for t in acct["turns"] if t.get("agent") == "root"]
-        plan_s, synth_s = root_turns[0]["seconds"], root_turns[-1]["seconds"]
-        agents_s = max(a["seconds"] for name, a in acct["agents"].items() if name != "root")
-        seq_tokens = 0
-        forget()
-        t0 = time.perf_counter()
-        for name, part in parts.items():
-            one = client.responses.create(
-                model=model, input=ultra.PART.format(name=name, part=part), temperature=0,
-                max_output_tokens=AGENT_TOKENS, instructions=ultra.SUBAGENT.format(n=n, task=task))
-            seq_tokens += one.usage.output_tokens
-        seq = time.perf_counter() - t0
-        written = [a["output_tokens"] for name, a in acct["agents"].items() if name != "root"]
+        runs, seqs, seq_written = [], [], set()
+        for _ in range(rounds):
+            runs.append(_ultra_once(client, model, n, task, forget))
+            seconds, written = _sequential_once(client, model, n, task, runs[-1]["parts"], forget)
+            seqs.append(seconds)
+            seq_written.add(written)
+        wall, plan_s, agents_s, synth_s = (med(r[k] for r in runs) for k in ("wall", "plan", "agents", "synthesis"))
+        seq = med(seqs)
+        written = runs[-1]["written"]
+        same = len({sum(r["written"]) for r in runs} | seq_written) == 1
         # Together the parts take at least as many steps as the longest of them writes tokens: their
         # speed-up is at most all their tokens over those, however little a step's rows cost.
-        print(f"| {n} | {wall:.2f} | {plan_s:.2f} | {agents_s:.2f} | {synth_s:.2f} | {seq:.2f} | {seq / wall:.2f}x | "
-              f"{seq / agents_s:.2f}x | {plan_s + seq + synth_s:.2f} | {(plan_s + seq + synth_s) / wall:.2f}x | "
-              f"{sum(written)} | {seq_tokens} | {max(written)} | {sum(written) / max(written):.2f}x |")
+        print(f"| {n} | {wall:.2f} | {plan_s:.2f} | {agents_s:.2f} | {synth_s:.2f} | {seq:.2f} | "
+              f"{seq / agents_s:.2f}x | {seq / wall:.2f}x | {plan_s + seq + synth_s:.2f} | "
+              f"{(plan_s + seq + synth_s) / wall:.2f}x | {sum(written)} | "
+              f"{'/'.join(str(w) for w in sorted(seq_written))}{'' if same else ' (differ)'} | {max(written)} | "
+              f"{sum(written) / max(written):.2f}x |")
 
 
 def max_rows(client: openai.OpenAI, model: str, efforts: list[str]) -> None:
@@ -329,6 +359,7 @@ def main() -> None:
                     "turns' tokens (default sol: Qwen2.5-Coder-1.5B-Instruct)")
     ap.add_argument("--real", action="append", default=[], help="also run on this tier or model (repeatable)")
     ap.add_argument("--ultra", default="4,8,16", help="Ultra's N to measure on the default model ('' for none)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating Ultra and sequential runs per N (medians)")
     ap.add_argument("--max", default="none,minimal,low,medium", help="Max's efforts to measure on the default model")
     args = ap.parse_args()
     state = Path(tempfile.mkdtemp()) / "state.db"
@@ -349,7 +380,7 @@ def main() -> None:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=900)
         if args.ultra:
             ultra_rows(client, "SmolLM2-135M-Instruct", [int(n) for n in args.ultra.split(",")],
-                       served.engine.engine.kv.forget_prefixes)
+                       served.engine.engine.kv.forget_prefixes, args.rounds)
         if args.max:
             max_rows(client, "SmolLM2-135M-Instruct", args.max.split(","))
         server.stop()

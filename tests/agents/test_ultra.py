@@ -95,6 +95,7 @@ def test_subagents_run_on_the_configured_model_unless_the_request_names_one(scri
 def test_plan_agents_and_synthesis(scripted):
     client, script = scripted
     team = script.policy = Team(3, hold=0.3)
+    script.bodies.clear()
     r = client.responses.create(model=MODEL, input="Weather in three cities?", tools=[WEATHER],
                                 extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": 3}})
     assert r.status == "completed"
@@ -113,6 +114,9 @@ def test_plan_agents_and_synthesis(scripted):
     assert sum(a["input_tokens"] for a in per.values()) == r.usage.input_tokens
     assert sum(a["output_tokens"] for a in per.values()) == r.usage.output_tokens
     assert per["root"]["model_turns"] == 2  # plan and synthesis
+    # The synthesis alone is drafted by prompt lookup: it is the turn whose answer copies its input.
+    asked = [(agent_of(b), "response_format" in b) for b in script.bodies if b.get("prompt_lookup")]
+    assert asked == [(None, False)] and len(script.bodies) == 5
     script.policy = None
 
 
@@ -205,6 +209,7 @@ def test_subagents_are_batched_in_one_engine(real):
     before = server.engine.stats.max_batch_size
     server.engine.stats.max_batch_size = 0
     hits = server.engine.kv.prefix_hit_tokens
+    drafts = server.engine.stats.spec.drafts
     r = client.responses.create(model=MODEL + "-ultra", input="Write about four animals: cats, dogs, owls, bees.",
                                 temperature=0, max_output_tokens=200,
                                 extra_body={"multi_agent": {"max_concurrent_subagents": 4}})
@@ -215,6 +220,8 @@ def test_subagents_are_batched_in_one_engine(real):
     assert server.engine.stats.max_batch_size >= 4, server.engine.stats
     # and their instructions, the same for all four, were computed once: three agents found them cached
     assert server.engine.kv.prefix_hit_tokens - hits >= 3 * 3 * BLOCK
+    # the synthesis, which alone asks for prompt lookup on a server that does not speculate, drafted
+    assert server.engine.stats.spec.drafts > drafts
     server.engine.stats.max_batch_size = max(before, server.engine.stats.max_batch_size)
 
 

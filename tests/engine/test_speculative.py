@@ -3,6 +3,7 @@ and batched), sampled output distributed as the target's, and the bookkeeping th
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import textwrap
 
@@ -222,6 +223,33 @@ def test_ngram_greedy_equals_plain_alone_and_batched(smollm, prompts, max_tokens
     assert spec.stats.spec.accepted_tokens > 0  # speculation really ran and was kept
     if max_tokens > 20:  # long enough for the rewrite to copy its input
         assert spec.stats.spec.mean_acceptance_length > 1.5
+
+
+def test_prompt_lookup_asked_for_by_a_request_where_the_engine_does_not_speculate(smollm, prompts) -> None:
+    """`prompt_lookup` drafts that sequence by n-gram lookup on an engine started without
+    speculation; the sequences beside it that did not ask decode as before, and all are as plain."""
+    sp = SamplingParams(max_tokens=48, temperature=0)
+    plain = engine(smollm)
+    want = plain.generate(prompts, sp)
+    assert plain.stats.spec.drafts == 0  # none asked: nothing proposed
+    e = engine(smollm)
+    proposed_for: set[int] = set()
+    propose = e.proposer.propose  # type: ignore[union-attr]
+    e.proposer.propose = lambda seqs, limits: (proposed_for.update(s.seq_id for s in seqs), propose(seqs, limits))[1]  # type: ignore[union-attr]
+    params = [dataclasses.replace(sp, prompt_lookup=True), sp, sp]
+    got = e.generate(prompts, params)
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    assert proposed_for == {got[0].seq_id}
+    assert e.stats.spec.accepted_tokens > 0 and e.draft_length is not None and sum(e.draft_length.chosen.values()) > 0
+
+
+def test_prompt_lookup_is_not_offered_through_pipeline_stages(smollm) -> None:
+    # Stages size their buffers without drafts; the request's wish is an optimisation, so it is
+    # ignored there rather than refused. (The stages are not started: the check comes first.)
+    cfg = EngineConfig(max_running=2, max_model_len=256, pipeline_parallel=2)
+    assert LLMEngine._lookup_on_request(cfg) is False
+    assert LLMEngine._lookup_on_request(EngineConfig()) is True
+    assert LLMEngine._lookup_on_request(EngineConfig(speculative=SpeculativeConfig.parse("ngram", 3))) is False
 
 
 def test_ngram_greedy_with_penalties_stop_strings_and_logprobs(smollm, prompts) -> None:

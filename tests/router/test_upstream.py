@@ -30,7 +30,8 @@ STALL_AFTER = ["Hel", "lo"]  # what the stalling upstream streams before it stop
 
 
 def fake_upstreams() -> FastAPI:
-    """One server, one behaviour per path prefix: /ok, /slow, /e500, /notjson, /limit, /stall."""
+    """One server, one behaviour per path prefix: /ok, /slow, /e500, /notjson, /limit, /stall, and
+    /keys, which answers with the body's field names."""
     app = FastAPI()
 
     @app.get("/health")
@@ -56,8 +57,9 @@ def fake_upstreams() -> FastAPI:
             return JSONResponse({"error": {"message": "slow down", "type": "rate_limit_error", "param": None,
                                            "code": "rate_limit_exceeded"}}, status_code=429, headers={"Retry-After": "7"})
         if not stream:
+            said = ",".join(sorted(body)) if kind == "keys" else "from " + kind
             return {"id": "up-1", "object": "chat.completion", "created": 1, "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "from " + kind},
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": said},
                                  "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
 
@@ -93,7 +95,7 @@ def upstream_base():
 def routed(upstream_base, tiny_dir, tmp_path_factory):
     refused = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     ups = "\n".join(f'[upstreams.{name}]\nbase_url = "{upstream_base}/{name}/v1"\nmodel = "up-{name}"\n'
-                    f"timeout = {TIMEOUT}\n" for name in ("ok", "slow", "e500", "notjson", "limit", "stall"))
+                    f"timeout = {TIMEOUT}\n" for name in ("ok", "slow", "e500", "notjson", "limit", "stall", "keys"))
     toml = tmp_path_factory.mktemp("router") / "wafer.toml"
     toml.write_text(f"""
 [models.local]
@@ -145,6 +147,15 @@ def test_a_healthy_upstream_answers(routed):
     assert r.headers["x-wafer-model"] == "up-ok"
     s = ask(routed, "ok", stream=True)
     assert s.status_code == 200 and s.text.rstrip().endswith("data: [DONE]") and '"from "' in s.text
+
+
+def test_wafer_only_fields_are_not_passed_to_an_upstream(routed):
+    """`prompt_lookup` is wafer's: OpenAI refuses a field it does not know, so it stays here; the
+    fields every OpenAI-compatible server takes go on."""
+    r = ask(routed, "keys", prompt_lookup=True, top_p=0.5)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"].split(",") == ["max_tokens", "messages", "model",
+                                                                       "temperature", "top_p"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

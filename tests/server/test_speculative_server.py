@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -62,3 +63,23 @@ def test_bench_reads_the_acceptance_length_from_metrics(spec_server, server):
     plain = spec_counters(server.base_url + "/v1")
     assert acceptance_length(plain, plain) is None
     assert spec_counters("http://127.0.0.1:9/v1") is None  # nothing listening
+
+
+def test_prompt_lookup_asked_for_by_one_request_on_a_server_without_speculation(server):
+    """wafer's `prompt_lookup` extension: that request's answer is drafted by n-gram lookup (the
+    engine's counters move) and is the text it would be without."""
+    src = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split))
+    kw = dict(model=MODEL, temperature=0, max_tokens=80,
+              messages=[{"role": "user", "content": f"Copy this code exactly:\n```python\n{src}\n```"}])
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    st = server.engine.stats.spec
+    drafts = st.drafts
+    plain = client.chat.completions.create(**kw)
+    assert st.drafts == drafts  # not asked: the server does not speculate
+    looked_up = client.chat.completions.create(**kw, extra_body={"prompt_lookup": True})
+    assert st.drafts > drafts and st.accepted_tokens > 0
+    assert looked_up.choices[0].message.content == plain.choices[0].message.content
+    assert looked_up.usage.completion_tokens == plain.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"prompt_lookup": "yes"})
+    assert e.value.body["param"] == "prompt_lookup"

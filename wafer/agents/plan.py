@@ -35,6 +35,9 @@ class Plan:
     agent: str = "root"  # which agent of an Ultra response this is
     ultra: dict[str, Any] | None = None  # Ultra's settings (n, subagent_model), when it is on
     ultra_state: dict[str, Any] | None = None  # the sub-agents of the Ultra response this one resumes
+    # Its answer draws on text it was given (Ultra's synthesis of its agents' results): the local
+    # engine drafts it by prompt lookup.
+    copies_input: bool = False
     output: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=lambda: {"input": 0, "cached": 0, "output": 0, "reasoning": 0})
     accounting: dict[str, Any] = field(default_factory=lambda: {

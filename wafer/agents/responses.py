@@ -330,6 +330,8 @@ class ResponsesService:
                 body[key] = getattr(req, key)
         if req.reasoning is not None and req.reasoning.effort is not None:
             body["reasoning_effort"] = req.reasoning.effort
+        if plan.copies_input:
+            body["prompt_lookup"] = True
         return body
 
     async def _model_turn(self, plan: Plan, ev: Events, calls: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:

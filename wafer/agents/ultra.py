@@ -281,6 +281,7 @@ class Ultra:
                     "content": [{"type": "input_text", "text": "Results of the agents:\n\n" + results}]}
             synth = self._derived(root, "root", SYNTHESIS, [], said + [note], False,
                                   root.req.max_output_tokens, root.response_format)
+            synth.copies_input = True
             started = False
             try:
                 async for event in self.service._model_turn(synth, Events(), []):

@@ -154,12 +154,18 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.constraints = Constraints(self.tokenizer)
         self.proposer = self._make_proposer(draft)
+        # Prompt lookup needs no model, so a request may ask for it (`prompt_lookup`) where the engine
+        # does not speculate; not through stages, whose buffers are sized without drafts.
+        self.lookup_on_request = self._lookup_on_request(self.config)
+        if self.lookup_on_request:
+            self.proposer = NgramProposer(self.config.speculative)
         # Last: the stages are processes, which nothing would stop if a later part of this raised.
         if self.config.pipeline_parallel > 1:
             self.pipeline = self._make_pipeline(loaded, num_blocks)
         self.runner = self.pipeline.runner if self.pipeline is not None else ModelRunner(loaded.model, self.kv)
         spec = self.config.speculative
-        adaptive = spec.enabled and spec.adaptive
+        # Lookup asked for by a request always chooses its length: where it does not pay it goes quiet.
+        adaptive = (spec.enabled and spec.adaptive) or self.lookup_on_request
         if adaptive and self.pipeline is not None:
             log.info("pipeline stages: speculation proposes a fixed %d tokens (adaptive lengths measure whole "
                      "steps, which stages overlap)", spec.num_tokens)
@@ -167,6 +173,10 @@ class LLMEngine:
         self._step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
         self._kept = False  # the last step verified drafts and kept every one whole: DraftLength's context
         self.step_cost = StepCosts()  # what a step's tokens cost, learned from its prompt steps (step_cost.py)
+
+    @staticmethod
+    def _lookup_on_request(config: EngineConfig) -> bool:
+        return not config.speculative.enabled and config.pipeline_parallel == 1
 
     def _make_proposer(self, draft: LoadedModel | None) -> Proposer | None:
         spec = self.config.speculative
@@ -545,10 +555,15 @@ class LLMEngine:
             for item in prompt:
                 self.proposer.release(item.seq.seq_id)
 
+    def _may_draft(self, item: ScheduledSeq) -> bool:
+        seq = item.seq
+        return (item.count == 1 and item.samples and seq.matcher is None
+                and (not self.lookup_on_request or seq.params.prompt_lookup))
+
     def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """Give each decoding sequence that may speculate a proposal to verify in this step."""
-        if not any(item.count == 1 and item.samples and item.seq.matcher is None for item in scheduled):
-            return  # prompt work alone: nothing to propose for, no length to choose
+        if not any(self._may_draft(item) for item in scheduled):
+            return  # prompt work alone, or none asked for drafts: nothing to propose, no length to choose
         k = self.config.speculative.num_tokens
         if self.draft_length is not None:
             k = self._step_k = self.draft_length.choose(len(scheduled), self._kept)
@@ -557,7 +572,7 @@ class LLMEngine:
         items, limits = [], []
         for item in scheduled:
             seq = item.seq
-            if item.count != 1 or not item.samples or seq.matcher is not None:
+            if not self._may_draft(item):
                 continue
             # No point proposing past max_tokens or the context: the last token is the target's own.
             room = min(k, seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt) - 1,

@@ -34,6 +34,9 @@ class SamplingParams:
     # That grammar already compiled (an llguidance matcher in its start state), so that the step does
     # not compile it: each sequence gets a copy.
     compiled: Any = None
+    # Draft by prompt lookup (n-gram) even where the engine does not speculate: for answers that copy
+    # their input, as a synthesis of given results does. Costs no model; lossless like any draft.
+    prompt_lookup: bool = False
 
     @property
     def greedy(self) -> bool:

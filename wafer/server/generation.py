@@ -193,6 +193,7 @@ class GenerationHandler:
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_lookup=req.prompt_lookup,
         )
 
     def _encode(self, text: str, param: str, special: bool = True) -> list[int]:

@@ -102,6 +102,8 @@ class _Sampling(_Body):
     repetition_penalty: Annotated[float, Field(strict=True, gt=0.0, le=10.0)] | None = None
     ignore_eos: Bool = False
     stop_token_ids: list[Int] | None = None
+    # wafer's own: draft by n-gram prompt lookup for this request, for answers that copy their input.
+    prompt_lookup: Bool = False
 
     @field_validator("stop")
     @classmethod

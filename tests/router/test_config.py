@@ -62,6 +62,7 @@ tiers = { code = "sol" }
     ("[upstreams.u]\nbase_url = 'http://x/v1'\nprice = { in = 1 }", "upstream 'u': price must be a table"),
     ("[models.a]\n[routing]\ntiers = { code = 'mars' }", "mars"),
     ("[upstreams.u]\nmodel = 'x'", "base_url"),
+    ("[upstreams.u]\nbase_url = 'http://x/v1'\nwafer = 'yes'", "wafer is true or false"),
     ("this is = not toml [", "invalid TOML"),
     ("[models.a]\nspeculative = 'eagle'", "expected off, ngram or draft:MODEL"),
     ("[models.a]\nspeculative = 'ngram'\nnum_speculative_tokens = 0", "at least 1"),

@@ -108,6 +108,11 @@ max_model_len = 512
 base_url = "{refused}"
 timeout = {TIMEOUT}
 
+[upstreams.wafer_keys]
+base_url = "{upstream_base}/keys/v1"
+model = "up-keys"
+wafer = true
+
 [tiers]
 sol = ["slow", "local"]
 terra = ["e500", "notjson", "local"]
@@ -150,12 +155,15 @@ def test_a_healthy_upstream_answers(routed):
 
 
 def test_wafer_only_fields_are_not_passed_to_an_upstream(routed):
-    """`prompt_lookup` is wafer's: OpenAI refuses a field it does not know, so it stays here; the
-    fields every OpenAI-compatible server takes go on."""
+    """`prompt_lookup` is wafer's: OpenAI refuses a field it does not know, so it stays here, unless
+    the upstream is marked as a wafer server; the other fields go on."""
     r = ask(routed, "keys", prompt_lookup=True, top_p=0.5)
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"].split(",") == ["max_tokens", "messages", "model",
                                                                        "temperature", "top_p"]
+    r = ask(routed, "wafer_keys", prompt_lookup=True)  # an upstream marked as a wafer server gets them
+    assert r.json()["choices"][0]["message"]["content"].split(",") == ["max_tokens", "messages", "model",
+                                                                       "prompt_lookup", "temperature"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

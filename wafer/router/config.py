@@ -133,6 +133,7 @@ class UpstreamConfig:
     cooldown: float = 10.0
     health_interval: float = 5.0
     balance_slack: int = 4
+    wafer: bool = False  # the upstream is a wafer server: wafer's own request fields pass on to it
 
     @property
     def api_key(self) -> str | None:
@@ -348,7 +349,7 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
 
 REPLICA_POLICIES = ("least_outstanding", "prefix")
 UPSTREAM_OPTIONS = {"base_url", "model", "api_key_env", "timeout", "price", "replicas", "policy", "cooldown",
-                    "health_interval", "balance_slack"}
+                    "health_interval", "balance_slack", "wafer"}
 
 
 def _upstream(name: str, u: dict[str, Any]) -> UpstreamConfig:
@@ -370,11 +371,14 @@ def _upstream(name: str, u: dict[str, Any]) -> UpstreamConfig:
         raise ConfigError(f"{where}: timeout, cooldown and health_interval are seconds, balance_slack a count") from None
     if any(v <= 0 for v in numbers.values()) or slack < 0:
         raise ConfigError(f"{where}: timeout, cooldown and health_interval must be positive, balance_slack >= 0")
+    if not isinstance(u.get("wafer", False), bool):
+        raise ConfigError(f"{where}: wafer is true or false (whether the upstream is a wafer server)")
     base = u.get("base_url") or replicas[0]
     return UpstreamConfig(name, base.rstrip("/"), u.get("model", name), u.get("api_key_env"),
                           numbers.get("timeout", 120.0), _price(u.get("price"), where),
                           [r.rstrip("/") for r in replicas], u.get("policy", "least_outstanding"),
-                          numbers.get("cooldown", 10.0), numbers.get("health_interval", 5.0), slack)
+                          numbers.get("cooldown", 10.0), numbers.get("health_interval", 5.0), slack,
+                          u.get("wafer", False))
 
 
 def draft_target(cfg: ServeConfig, name: str) -> str:

@@ -32,8 +32,8 @@ async def forward(client: httpx.AsyncClient, up: UpstreamConfig, path: str, body
     """POST body (with the upstream's model name) to up.base_url + path. Raises UpstreamUnavailable
     before any byte has been passed on, so the caller can fall back."""
     headers = {"authorization": f"Bearer {up.api_key}"} if up.api_key else {}
-    # wafer's own extensions stay here: another server may refuse a field it does not know.
-    payload = {k: v for k, v in body.items() if k not in WAFER_ONLY} | {"model": up.model}
+    # wafer's own fields go to wafer servers only: OpenAI refuses a field it does not know.
+    payload = {k: v for k, v in body.items() if up.wafer or k not in WAFER_ONLY} | {"model": up.model}
     url = up.base_url + path
     try:
         if not body.get("stream"):

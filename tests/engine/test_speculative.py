@@ -243,6 +243,31 @@ def test_prompt_lookup_asked_for_by_a_request_where_the_engine_does_not_speculat
     assert e.stats.spec.accepted_tokens > 0 and e.draft_length is not None and sum(e.draft_length.chosen.values()) > 0
 
 
+def test_prompt_work_leaves_room_for_the_drafts_a_step_may_verify(smollm, prompts) -> None:
+    """Drafts are attached after the prompt chunks are chosen, and their rows lengthen a step paced
+    to a time budget (every stream waits that long): the prompt work shrinks by K rows, each at its
+    position, for each decoder that may draft; by nothing for one that did not ask."""
+    e = engine(smollm)
+    e._prefill_cap = lambda: (400, 0.01)  # as if the step cost had been measured
+    seen: list[tuple[int | None, int | None]] = []
+    schedule = e.scheduler.schedule
+    plain = e.add(prompts[1], SamplingParams(max_tokens=12, temperature=0))
+    looked = e.add(prompts[2], SamplingParams(max_tokens=12, temperature=0, prompt_lookup=True))
+
+    def spy(cap, *a, **kw):  # type: ignore[no-untyped-def]
+        decoding = looked.num_cached == len(looked.tokens) - 1 and not looked.finished
+        seen.append((cap, len(looked.tokens) if decoding else None))
+        return schedule(cap, *a, **kw)
+
+    e.scheduler.schedule = spy  # type: ignore[method-assign]
+    while not (plain.finished and looked.finished):
+        e.step()
+    k = e.config.speculative.num_tokens
+    assert seen[0] == (400, None)  # nothing decodes yet: the whole budget goes to the prompts
+    drafting = [(cap, n) for cap, n in seen if n is not None]
+    assert drafting and all(cap == int(400 - k * (1 + 0.01 * n)) for cap, n in drafting)
+
+
 def test_prompt_lookup_is_not_offered_through_pipeline_stages(smollm) -> None:
     # Stages size their buffers without drafts; the request's wish is an optimisation, so it is
     # ignored there rather than refused. (The stages are not started: the check comes first.)

@@ -393,6 +393,8 @@ class LLMEngine:
                   ) -> list[ScheduledSeq]:
         """The sequences of this step, with their drafts to verify where speculation is on."""
         cap, per_position = self._prefill_cap()
+        if cap is not None:  # the drafts' rows come after the prompt chunks are chosen: room for them
+            cap = max(MIN_CHUNK, int(cap - self._draft_reserve(per_position)))
         scheduled = self.scheduler.schedule(cap, busy, max_seqs, per_position)
         for seq in self.scheduler.preempted:  # recomputed later from its tokens: the draft's KV goes too
             if self.proposer is not None:
@@ -460,6 +462,18 @@ class LLMEngine:
         return outputs
 
     # --- how much prompt a step may take ----------------------------------------------------------
+    def _draft_reserve(self, per_position: float) -> float:
+        """The prompt work (tokens at position 0) that the drafts this step may verify could cost:
+        K rows for each decoder that may draft, each at its position. A step's length bounds every
+        stream's wait, and the drafts, attached after the prompt chunks are chosen, would add to it
+        (as in vLLM, where speculated tokens count against the step's token budget)."""
+        if self.proposer is None or len(self.scheduler.running) > self.config.speculative.max_running:
+            return 0.0
+        k = self.config.speculative.num_tokens
+        return sum(k * (1.0 + per_position * len(seq.tokens)) for seq in self.scheduler.running
+                   if len(seq.tokens) - seq.num_cached == 1 and seq.matcher is None
+                   and (not self.lookup_on_request or seq.params.prompt_lookup))
+
     def _prefill_cap(self) -> tuple[int | None, float]:
         """The prompt work a step may take, in tokens at position 0, and what a position adds to a
         token's cost in those (the scheduler's prefill_cap and per_position); no cap before a prompt

@@ -62,5 +62,7 @@ def test_each_step_is_timed_for_its_observers_and_a_slow_one_is_logged(tiny_dir,
             pass
     assert [(s.kind, s.sequences, s.prompt_tokens) for s in seen] == [("prompt", 1, 4), ("decode", 1, 0), ("decode", 1, 0)]
     assert all(0 < s.forward_seconds <= s.seconds < 10 for s in seen)
+    assert all(s.mask_seconds == 0.0 for s in seen)  # no grammar: nothing masked
     logged = [r.getMessage() for r in caplog.records if "step took" in r.getMessage()]
     assert len(logged) == 3 and logged[0].startswith("a prompt step took") and "4 prompt tokens" in logged[0]
+    assert "grammars' masks 0 ms" in logged[0]

@@ -124,3 +124,21 @@ def test_generate_follows_a_grammar_outside_the_servers_inference_mode(smollm):
     seq = engine.generate([smollm.tokenizer.encode("A JSON object:", add_special_tokens=False)], params)[0]
     assert seq.finish_reason == "stop", seq.finish_reason
     assert set(SCHEMA["required"]) <= set(json.loads(seq.text))
+
+
+def test_a_steps_grammar_masks_are_timed_apart(smollm):
+    """What a step spent on its grammars' masks is kept beside its forward pass (the slow-step log
+    and the step observers name it): some for a step that masked, none for one that did not."""
+    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.sequence import SamplingParams
+
+    engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512))
+    prompt = smollm.tokenizer.encode("A JSON object:", add_special_tokens=False)
+    engine.add(prompt, SamplingParams(max_tokens=3, temperature=0, grammar=_grammar()))
+    masked = []
+    while engine.has_work:
+        engine.step()
+        masked.append(engine.stats.last_mask_seconds)
+    assert masked and all(0 < s < engine.stats.last_forward_seconds + 10 for s in masked)
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    assert engine.stats.last_mask_seconds == 0.0

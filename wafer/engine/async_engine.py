@@ -67,6 +67,7 @@ class StepTiming:
     # Scheduling and the forward pass, the rest of `seconds` picking the tokens (through pipeline
     # stages: since the step was sent, which may be before this call began).
     forward_seconds: float = 0.0
+    mask_seconds: float = 0.0  # of picking the tokens, the grammars' masks (llguidance)
 
     @property
     def kind(self) -> str:
@@ -229,7 +230,8 @@ class AsyncEngine:
             return True
         stats = self.engine.stats
         self._timed(StepTiming(time.perf_counter() - started, stats.last_batch_size,
-                               stats.prompt_tokens - prompt_before, stats.last_forward_seconds))
+                               stats.prompt_tokens - prompt_before, stats.last_forward_seconds,
+                               stats.last_mask_seconds))
         for out in outputs:
             req = self._by_seq.get(out.seq_id)
             if req is None:
@@ -251,8 +253,9 @@ class AsyncEngine:
     def _timed(self, step: StepTiming) -> None:
         if step.seconds > SLOW_STEP_SECONDS:
             log.info("a %s step took %.0f ms (%d sequences, %d prompt tokens; the forward pass %.0f ms, picking "
-                     "the tokens the rest): every stream waited as long", step.kind, step.seconds * 1000,
-                     step.sequences, step.prompt_tokens, step.forward_seconds * 1000)
+                     "the tokens the rest, of which grammars' masks %.0f ms): every stream waited as long", step.kind,
+                     step.seconds * 1000, step.sequences, step.prompt_tokens, step.forward_seconds * 1000,
+                     step.mask_seconds * 1000)
         for observe in self.step_observers:
             observe(step)
 

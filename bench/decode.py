@@ -147,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--isa", default="auto",
                     help="wafer's kernel variant (auto: the best this CPU runs; avx2: the AVX2 variant against "
-                         "llama.cpp built for AVX2 only; any name of wafer/models/kernels.py)")
+                         "llama.cpp built for AVX2 only; any name of wafer/kernels/build.py)")
     ap.add_argument("--model", default=None,
                     help="a model of `wafer models` by name or tier (sol, terra, luna), or a GGUF path "
                          "(default: the bundled SmolLM2)")
@@ -170,7 +170,7 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     from bench.llamacpp import LlamaCpp, available, build_for
-    from wafer.models import kernels
+    from wafer.kernels import build as kernels
     from wafer.models.loader import load_model
 
     variant = kernels.wanted()

@@ -87,7 +87,7 @@ def main() -> None:
         return
 
     from wafer.models import catalog
-    from wafer.models.kernels import features_line
+    from wafer.kernels.build import features_line
     from wafer.models.loader import load_tokenizer
     from wafer.models.chat_template import ChatTemplate
 

@@ -153,7 +153,7 @@ def main() -> None:
     if args.workloads:
         loads = {k: v for k, v in loads.items() if k in args.workloads}
     plain_engine, plain = wafer_runner(loaded, "off", args.k)
-    from wafer.models import kernels
+    from wafer.kernels import build as kernels
 
     variant = kernels.wanted()
     label = f"wafer {loaded.compute} ({kernels.status().variant or 'PyTorch'})"

@@ -35,7 +35,7 @@ from bench.common import table  # noqa: E402
 from bench.decode import THREADS  # noqa: E402
 from bench.server_decode import engine_runner  # noqa: E402
 from wafer.models.blockquant import onto_huge_pages  # noqa: E402
-from wafer.models.kernels import kernels, status  # noqa: E402
+from wafer.kernels.build import kernels, status  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402
 from wafer.models.quant import BlockLinear  # noqa: E402
 

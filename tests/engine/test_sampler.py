@@ -66,7 +66,7 @@ def test_the_kernels_candidates_draw_what_torchs_would(monkeypatch):
     +inf) draws the same tokens from the same seeds whether the candidates come from the kernels'
     top_candidates or from torch's softmax and topk."""
     from wafer.engine import sampler as sampler_module
-    from wafer.models.kernels import kernels
+    from wafer.kernels.build import kernels
 
     if kernels() is None:
         import pytest
@@ -103,7 +103,7 @@ def test_the_kernels_candidates_draw_what_torchs_would(monkeypatch):
 def test_the_kept_distribution_is_filter_logits_softmax_from_the_candidates():
     """What speculative verification draws from: the same tokens kept, the same probabilities, at the
     settings where the candidates hold the kept set; the whole row's way (None) where they may not."""
-    from wafer.models.kernels import kernels
+    from wafer.kernels.build import kernels
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(50000, generator=g) * 3

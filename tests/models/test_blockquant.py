@@ -1,5 +1,5 @@
 """wafer's block-quantised kernels: the file's own Q4_1/Q8_0 codes come back from its dequantised
-weights, and every kernel variant this CPU runs (kernels.py) equals the same arithmetic done by
+weights, and every kernel variant this CPU runs (wafer/kernels/build.py) equals the same arithmetic done by
 PyTorch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from tests.tiny import gguf_reader
 from wafer.models import blockquant as bq
-from wafer.models.kernels import load, runnable
+from wafer.kernels.build import load, runnable
 from wafer.models.loader import default_model_path
 
 # Every variant this CPU executes, forced one by one: an AVX-512 machine tests avx2 and portable too.

@@ -25,7 +25,7 @@ from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.models import catalog
 from wafer.models.fused_decode import FusedDecode
 from wafer.models.gemma3 import Gemma3Model
-from wafer.models.kernels import runnable
+from wafer.kernels.build import runnable
 from wafer.models.gguf_blocks import HEAD_BITS, K4, K6
 from wafer.models.loader import LoadedModel, load_model
 from wafer.models.quant import BlockLinear

@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from wafer.models import blockquant as bq
-from wafer.models.kernels import load, runnable
+from wafer.kernels.build import load, runnable
 from wafer.models.gguf_blocks import (
     AS_FLOAT,
     K4,
@@ -145,7 +145,7 @@ def test_k_quants_are_held_exactly_in_records_of_their_own(qtype, fmt):
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1])
 def test_five_bit_records_hold_the_files_weights(qtype):
     """5-bit types go into 5-bit records as they are (6 bits a weight); 4-bit ones may share them."""
-    from wafer.models.kernels import kernels
+    from wafer.kernels.build import kernels
 
     raw = random_blocks(qtype)
     codes, d, m = record_inputs(raw, qtype, K, 5)
@@ -167,7 +167,7 @@ def test_five_bit_records_hold_the_files_weights(qtype):
 @pytest.mark.parametrize("qtype, fmt", [(T.Q4_K, K4), (T.Q6_K, K6)])
 def test_k_records_through_the_kernel_equal_the_files_weights(qtype, fmt):
     """block_linear on the records against the activations' int8 blocks times gguf-py's weights."""
-    from wafer.models.kernels import kernels
+    from wafer.kernels.build import kernels
 
     kern = kernels()
     if kern is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.quality import corpus_ids, perplexity
-from wafer.models import kernels
+from wafer.kernels import build as kernels
 from wafer.models.loader import load_model
 
 pytestmark = pytest.mark.heavy

@@ -13,7 +13,7 @@ from tests.steps import decode_items, prefill
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.runner import ModelRunner
 from wafer.errors import ModelLoadError
-from wafer.models.kernels import kernels
+from wafer.kernels.build import kernels
 from wafer.models.loader import load_model
 from wafer.models.quant import HEAD_BITS, BlockLinear, Int8Linear, apply_compute_path, resolve
 

@@ -8,7 +8,7 @@ import dataclasses
 import httpx
 
 from tests.serving import MODEL, start_server
-from wafer.models import kernels
+from wafer.kernels import build as kernels
 
 
 def test_health_names_the_compute_path_and_kernels(server):

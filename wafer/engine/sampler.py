@@ -8,7 +8,7 @@ import math
 import torch
 
 from wafer.engine.sequence import SeenTokens, Sequence, TokenLogprob
-from wafer.models.kernels import kernels
+from wafer.kernels.build import kernels
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

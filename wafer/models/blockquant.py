@@ -4,7 +4,7 @@ llama.cpp's block formats, 32 input elements per block: Q4_1 (4-bit codes with a
 minimum per block), Q5_1 (5-bit codes, likewise) and Q8_0 (8-bit codes with a scale); and its K-quants Q4_K and Q6_K as they are
 (K4 and K6 records, 256 inputs each), which only a GGUF file's blocks fill (gguf_blocks.py). Quantising a GGUF's Q4_1 or Q8_0 tensor,
 once dequantised, gives back exactly the file's codes (every Q4_1 block holds a 0 and a 15 code,
-every Q8_0 block a +-127), so these paths run the file's own weights. The kernels (kernels.py)
+every Q8_0 block a +-127), so these paths run the file's own weights. The kernels (wafer/kernels/build.py)
 quantise the activations per block to int8 (as llama.cpp does) and use integer dot products.
 """
 

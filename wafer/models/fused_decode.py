@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 from wafer.models.gemma3 import Gemma3Block, Gemma3Model
-from wafer.models.kernels import kernels
+from wafer.kernels.build import kernels
 from wafer.models.llama import LlamaModel
 from wafer.models.quant import BlockLinear
 

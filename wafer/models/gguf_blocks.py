@@ -29,7 +29,7 @@ from gguf.quants import Q4_K, dequantize
 from torch import nn
 
 from wafer.models import blockquant as bq
-from wafer.models.kernels import kernels
+from wafer.kernels.build import kernels
 from wafer.models.quant import HEAD_BITS
 
 FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)  # held exactly (to float16 scales) by 4-bit records

@@ -12,7 +12,7 @@ CPU's GEMM is faster. Measured here: about 1.4x the decode speed of f32 for a pe
 1% (bench/quality.py). fbgemm's dynamic int8 (activations quantised per tensor) was tried first and
 rejected: 3.6x the perplexity on the default model.
 `q4`: the blocks' linear layers in 4-bit blocks (llama.cpp's Q4_1) and the output head in 6-bit blocks
-(HEAD_BITS), run by wafer's own kernels (kernels.py: the best variant of AVX-512, AVX2, NEON or
+(HEAD_BITS), run by wafer's own kernels (wafer/kernels/build.py: the best variant of AVX-512, AVX2, NEON or
 portable C++ that the CPU runs) at every batch size, prefill included: measured on AVX-512 they beat float32
 GEMM from 1 row (3.3 ms vs 20 for all the layers) to 256 (177 ms vs 307). From a Q4_1 GGUF these
 are the file's own weights; from any GGUF, block_model.py reads the file's blocks into these formats
@@ -64,7 +64,7 @@ class BlockLinear(nn.Module):
     def __init__(self, linear: nn.Linear, bits: int) -> None:
         super().__init__()
         from wafer.models import blockquant as bq
-        from wafer.models.kernels import kernels
+        from wafer.kernels.build import kernels
 
         self.kernels = kernels()
         self.bias = linear.bias
@@ -78,7 +78,7 @@ class BlockLinear(nn.Module):
     def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, fmt: int,
                     bias: torch.Tensor | None) -> BlockLinear:
         """From records already packed (block_model.build_block_model)."""
-        from wafer.models.kernels import kernels
+        from wafer.kernels.build import kernels
 
         self = cls.__new__(cls)
         nn.Module.__init__(self)
@@ -111,7 +111,7 @@ def resolve(path: str, device: str = "cpu", file_weights: str = "f32") -> str:
     if path not in allowed:
         raise ValueError(f"compute path {path!r} does not run on {kind} (choose from {', '.join(allowed)})")
     if path in ("q4", "q8"):
-        from wafer.models.kernels import kernels
+        from wafer.kernels.build import kernels
 
         return path if kernels() is not None else "int8"
     return path
@@ -159,7 +159,7 @@ def kernel_report(path: str, requested: str = "auto", device: str = "cpu") -> tu
     wafer's kernels do not run, or not their best variant, where the path would use them."""
     if device.startswith("cuda"):
         return "PyTorch CUDA", None
-    from wafer.models import kernels
+    from wafer.kernels import build as kernels
 
     s = kernels.status()
     cpu = kernels.features_line()

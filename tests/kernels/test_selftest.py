@@ -1,6 +1,6 @@
 """The kernels' standalone self-test (csrc/selftest.cpp: block_linear, argmax_rows, top_candidates, exp, softmax,
 rms_norm and a small decode_step against scalar references in C++, no torch) built and run for
-every instruction-set variant of kernels.py that this machine can execute: natively each variant the
+every instruction-set variant of wafer/kernels/build.py that this machine can execute: natively each variant the
 CPU runs (portable always), and the NEON variants, which an x86 machine cannot load into PyTorch,
 cross-compiled and run under qemu-aarch64 (`-cpu max` has dotprod and i8mm)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from wafer.models import kernels
+from wafer.kernels import build as kernels
 
 pytestmark = pytest.mark.heavy
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from wafer.models import kernels
+from wafer.kernels import build as kernels
 
 
 def test_the_variants_this_cpu_runs_follow_its_flags():
@@ -77,7 +77,7 @@ def test_a_built_variant_loads_without_the_build_tools_until_its_sources_change(
     code = (
         "import sys, types\n"
         "import torch.utils.cpp_extension as ce\n"
-        "from wafer.models import kernels\n"
+        "from wafer.kernels import build as kernels\n"
         "calls = []\n"
         "ce.load = lambda **kw: calls.append(kw) or types.SimpleNamespace(__file__='elsewhere')\n"
         f"assert kernels.load({name!r}).variant == {name!r} and not calls\n"

@@ -10,7 +10,7 @@ variant that this CPU runs chosen at run time.
 | neon-dotprod | ARMv8.2 with dot products (Graviton 2, Ampere Altra, Apple M1) | SDOT |
 | portable | anything with a C++17 compiler | loops the compiler vectorises for its target |
 
-The variants are built when the project is set up (`python -m wafer.models.kernels`, which `make`
+The variants are built when the project is set up (`python -m wafer.kernels`, which `make`
 runs: it builds each variant this CPU can run and fails with the compiler's message), and cached
 under WAFER_KERNELS_DIR (default: a folder of the Python environment). `WAFER_KERNELS` chooses:
 unset or `auto` the best variant this CPU runs, a variant's name to force it (the tests run each
@@ -148,7 +148,7 @@ def load(variant: str) -> ModuleType:
 
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob(_module_name(variant) + "*.so")):
-        log.warning("building wafer's %s kernels now (set-up normally does: python -m wafer.models.kernels)", variant)
+        log.warning("building wafer's %s kernels now (set-up normally does: python -m wafer.kernels)", variant)
     module = load_extension(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
                             verbose=False, extra_cflags=["-O3", "-fopenmp", *v.flags], extra_ldflags=["-fopenmp"])
     if Path(module.__file__ or "") == library:  # not a renamed rebuild (PyTorch's _v1 after a change in-process)
@@ -200,7 +200,7 @@ def features_line() -> str:
 
 
 def _build_one(v: Variant) -> tuple[str, str | None]:
-    code = f"from wafer.models.kernels import load; load({v.name!r})"
+    code = f"from wafer.kernels.build import load; load({v.name!r})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     return v.name, None if out.returncode == 0 else (out.stdout + out.stderr)
 
@@ -225,6 +225,3 @@ def main() -> int:
     print(f"built into {build_dir()}; the default is {variants[0].name}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

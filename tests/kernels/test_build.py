@@ -82,10 +82,10 @@ def test_a_built_variant_loads_without_the_build_tools_until_its_sources_change(
         "ce.load = lambda **kw: calls.append(kw) or types.SimpleNamespace(__file__='elsewhere')\n"
         f"assert kernels.load({name!r}).variant == {name!r} and not calls\n"
         "kernels.load.cache_clear()\n"
-        "kernels._fingerprint = lambda v: 'a changed source'\n"
+        "kernels.fingerprint = lambda v: 'a changed source'\n"
         f"assert kernels.load({name!r}).__file__ == 'elsewhere' and len(calls) == 1\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     stamp = kernels.build_dir() / name / "sources.sha256"
-    assert stamp.read_text() == kernels._fingerprint(kernels.BY_NAME[name])  # left as it was
+    assert stamp.read_text() == kernels.fingerprint(kernels.BY_NAME[name])  # left as it was

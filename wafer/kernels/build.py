@@ -35,6 +35,8 @@ from types import ModuleType
 
 import torch
 
+from wafer.kernels import tuning
+
 log = logging.getLogger("wafer.kernels")
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 
@@ -120,7 +122,7 @@ def _module_name(variant: str) -> str:
     return "wafer_kernels_" + variant.replace("-", "_")
 
 
-def _fingerprint(v: Variant) -> str:
+def fingerprint(v: Variant) -> str:
     """What a variant's build is made from: every file of csrc/ (the headers too) and its flags."""
     h = hashlib.sha256(" ".join(v.flags).encode())
     for f in sorted(SOURCE.parent.iterdir()):
@@ -130,15 +132,31 @@ def _fingerprint(v: Variant) -> str:
 
 @cache
 def load(variant: str) -> ModuleType:
-    """The compiled extension of one variant (built now if set-up did not). Raises on a failed build.
+    """The compiled extension of one variant (built now if set-up did not), with this machine's
+    tuning for it applied where there is one (tuning.py). Raises on a failed build."""
+    module = _import_or_build(variant)
+    found = tuned(variant)
+    if found is not None:  # a fresh module's table is empty: every shape at its default
+        tuning.apply(module, found)
+    return module
+
+
+@cache
+def tuned(variant: str) -> tuning.Tuning | None:
+    """The tuner's result for this variant on this CPU and these sources (None: not tuned here)."""
+    return tuning.load(tuning.path_in(build_dir(), variant), tuning.key_for(variant, fingerprint(BY_NAME[variant])))
+
+
+def _import_or_build(variant: str) -> ModuleType:
+    """The compiled extension of one variant, built now if set-up did not. Raises on a failed build.
 
     A build whose stamp matches the sources is imported as it is: PyTorch's loader would import
     setuptools and run ninja to find that out, a tenth of a second of every start."""
     v = BY_NAME[variant]
     out = build_dir() / variant
     library, stamp = out / (_module_name(variant) + ".so"), out / "sources.sha256"
-    fingerprint = _fingerprint(v)
-    if library.exists() and stamp.exists() and stamp.read_text() == fingerprint:
+    sources = fingerprint(v)
+    if library.exists() and stamp.exists() and stamp.read_text() == sources:
         spec = importlib.util.spec_from_file_location(_module_name(variant), library)
         if spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
@@ -152,7 +170,7 @@ def load(variant: str) -> ModuleType:
     module = load_extension(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
                             verbose=False, extra_cflags=["-O3", "-fopenmp", *v.flags], extra_ldflags=["-fopenmp"])
     if Path(module.__file__ or "") == library:  # not a renamed rebuild (PyTorch's _v1 after a change in-process)
-        stamp.write_text(fingerprint)
+        stamp.write_text(sources)
     return module
 
 

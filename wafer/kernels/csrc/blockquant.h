@@ -36,6 +36,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -109,6 +112,35 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, floa
 // cost more than the Python work itself).
 constexpr int kNoReuse = 0;
 
+// How far ahead of the record being read a thread's weight stream is prefetched, in bytes (0: not at
+// all, the hardware's prefetchers alone). Cores differ in how many lines they keep in flight and how
+// their own prefetchers follow a stream, so the best distance is measured, per linear shape, by the
+// tuner (kernels/tuner.py) on the machine that runs it; a shape it has not timed is prefetched one
+// group's row ahead (the same block of the next 16 channels).
+inline int64_t group_row_bytes(int fmt, int64_t K) { return K / record_inputs(fmt) * record_bytes(fmt); }
+
+class PrefetchTable {
+  public:
+    // The distance for a linear of this format, output size N and input size K.
+    int64_t ahead(int fmt, int64_t N, int64_t K) {
+        std::lock_guard<std::mutex> hold(mu_);
+        const auto it = by_shape_.find(std::make_tuple(fmt, N, K));
+        return it == by_shape_.end() ? group_row_bytes(fmt, K) : it->second;
+    }
+    void replace(std::map<std::tuple<int, int64_t, int64_t>, int64_t> by_shape) {
+        std::lock_guard<std::mutex> hold(mu_);
+        by_shape_ = std::move(by_shape);
+    }
+
+  private:
+    std::mutex mu_;
+    std::map<std::tuple<int, int64_t, int64_t>, int64_t> by_shape_;
+};
+inline PrefetchTable& prefetch_table() {
+    static PrefetchTable table;
+    return table;
+}
+
 // 6-bit codes (Q6, K6): w[0..8)'s low nibbles joined by their top two bits, from the 128 bytes
 // that follow the 4-bit body, byte (h, c, t) holding those of inputs 16 h + 4 s + t at bits 2 s.
 inline void add_top2(simd::W* w, const uint8_t* planes) {
@@ -123,7 +155,7 @@ inline void add_top2(simd::W* w, const uint8_t* planes) {
 
 // Y[r, channel groups g0..g1) for R rows of x.
 template <int BITS, int R>
-void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
+void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1, int64_t ahead) {
     const int64_t rec = record_bytes(BITS);
     for (int64_t g = g0; g < g1; ++g) {
         simd::F acc[R];
@@ -131,9 +163,9 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
         const uint8_t* p = P + g * nb * rec;
 #pragma GCC unroll 1
         for (int64_t b = 0; b < nb; ++b, p += rec) {
-            // The next group's record at this block: fetched while this one computes, as
-            // non-temporal (kNoReuse) data.
-            for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(p + nb * rec + line, 0, kNoReuse);
+            // The record `ahead` bytes on, fetched while this one computes, as non-temporal (kNoReuse) data.
+            if (ahead)
+                for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(p + ahead + line, 0, kNoReuse);
             simd::W w[8];
             if constexpr (BITS == 4 || BITS == 5 || BITS == 6) {
                 for (int i = 0; i < 4; ++i) {
@@ -175,8 +207,8 @@ void tile(const uint8_t* P, int64_t nb, const QuantizedRows& x, float* Y, int64_
 
 // The same for K4 and K6 records (SIX), nsb super-blocks a row.
 template <bool SIX, int R>
-void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1) {
-    const int64_t rec = record_bytes(SIX ? K6 : K4), body = SIX ? 384 : 256, ahead = nsb * rec;
+void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int64_t N, int64_t g0, int64_t g1, int64_t ahead) {
+    const int64_t rec = record_bytes(SIX ? K6 : K4), body = SIX ? 384 : 256;
     for (int64_t g = g0; g < g1; ++g) {
         simd::F acc[R];
         for (int r = 0; r < R; ++r) acc[r] = simd::zero();
@@ -188,8 +220,10 @@ void tile_k(const uint8_t* P, int64_t nsb, const QuantizedRows& x, float* Y, int
             const simd::F Dmin = SIX ? simd::zero() : simd::load_half(reinterpret_cast<const uint16_t*>(tail + 288));
 #pragma GCC unroll 1
             for (int b = 0; b < 8; ++b) {
-                // An eighth of the next group's record at this super-block, fetched while this one computes.
-                for (int64_t line = b * rec / 8; line < (b + 1) * rec / 8; line += 64) __builtin_prefetch(ps + ahead + line, 0, kNoReuse);
+                // An eighth of the record `ahead` bytes on, fetched while this one computes.
+                if (ahead)
+                    for (int64_t line = b * rec / 8; line < (b + 1) * rec / 8; line += 64)
+                        __builtin_prefetch(ps + ahead + line, 0, kNoReuse);
                 const uint8_t* p = ps + b * body;
                 simd::W w[8];
                 for (int i = 0; i < 4; ++i) {
@@ -249,8 +283,11 @@ void with_rows(int rows, const Fn& fn) {
     }
 }
 
-// Y [M, N] = x [M, K] @ W.T for W packed as [ceil(N/16), K / record_inputs(fmt), record_bytes(fmt)].
-inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P, int fmt, int64_t N, float* Y) {
+// Y [M, N] = x [M, K] @ W.T for W packed as [ceil(N/16), K / record_inputs(fmt), record_bytes(fmt)], the weights
+// prefetched `ahead` bytes on (the prefetch table's distance for this shape where it is negative).
+inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P, int fmt, int64_t N, float* Y,
+                         int64_t ahead = -1) {
+    if (ahead < 0) ahead = prefetch_table().ahead(fmt, N, K);
     const int64_t nb = K / QK, G = (N + 15) / 16, nrec = K / record_inputs(fmt);
     // Scratch for x's codes, reused across calls (the engine steps from one thread).
     thread_local std::vector<int8_t> qbuf;
@@ -273,12 +310,12 @@ inline void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* P,
                 float* y = Y + r0 * N;
                 with_rows(rows, [&](auto R) {
                     switch (fmt) {
-                        case Q4: return tile<4, R>(P, nrec, xr, y, N, g, g + 1);
-                        case Q5: return tile<5, R>(P, nrec, xr, y, N, g, g + 1);
-                        case Q6: return tile<6, R>(P, nrec, xr, y, N, g, g + 1);
-                        case Q8: return tile<8, R>(P, nrec, xr, y, N, g, g + 1);
-                        case K4: return tile_k<false, R>(P, nrec, xr, y, N, g, g + 1);
-                        default: return tile_k<true, R>(P, nrec, xr, y, N, g, g + 1);
+                        case Q4: return tile<4, R>(P, nrec, xr, y, N, g, g + 1, ahead);
+                        case Q5: return tile<5, R>(P, nrec, xr, y, N, g, g + 1, ahead);
+                        case Q6: return tile<6, R>(P, nrec, xr, y, N, g, g + 1, ahead);
+                        case Q8: return tile<8, R>(P, nrec, xr, y, N, g, g + 1, ahead);
+                        case K4: return tile_k<false, R>(P, nrec, xr, y, N, g, g + 1, ahead);
+                        default: return tile_k<true, R>(P, nrec, xr, y, N, g, g + 1, ahead);
                     }
                 });
             }

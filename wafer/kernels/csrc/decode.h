@@ -338,9 +338,10 @@ struct Linear {
     int format;
     const float* bias;  // nullptr: none
     int64_t in, out;
+    int64_t ahead = -1;  // block_linear's prefetch distance (negative: the prefetch table's, looked up per call)
     // y [M, out] = x [M, in] @ W.T (+ bias)
     void operator()(const float* x, int64_t M, float* y) const {
-        block_linear(x, M, in, packed, format, out, y);
+        block_linear(x, M, in, packed, format, out, y, ahead);
         if (bias)
             for (int64_t r = 0; r < M; ++r)
                 for (int64_t j = 0; j < out; ++j) y[r * out + j] += bias[j];

@@ -8,6 +8,7 @@
 #define WAFER_NUM_THREADS at::get_num_threads
 #define WAFER_THREAD_NUM at::get_thread_num
 #include "decode.h"
+#include "probe.h"
 #include "sampling.h"
 
 namespace {
@@ -32,14 +33,53 @@ void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
 }  // namespace
 
 // y [M, n] = x [M, K] @ W.T, W packed by blockquant.py: uint8 [ceil(n/16), K / inputs of a record, record].
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+// ahead: the weights' prefetch distance in bytes (negative: the prefetch table's for this shape).
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t ahead) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [M, K] float32");
     TORCH_CHECK(x.size(1) % wafer::QK == 0, "K must be a multiple of 32");
     check_packed(packed, x.size(1), n);
     auto y = torch::empty({x.size(0), n}, torch::kFloat32);
     wafer::block_linear(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), format_of(packed), n,
-                        y.data_ptr<float>());
+                        y.data_ptr<float>(), ahead);
     return y;
+}
+
+// Seconds of block_linear over each of `copies` (records of one shape) in turn, prefetching `ahead`
+// bytes on: copies that together outsize the caches time the weights' stream from memory, as in a step.
+double stream_linear(std::vector<torch::Tensor> copies, torch::Tensor x, int64_t n, int64_t ahead) {
+    TORCH_CHECK(!copies.empty(), "copies: at least one");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [M, K] float32");
+    for (const auto& c : copies) check_packed(c, x.size(1), n);
+    auto y = torch::empty({x.size(0), n}, torch::kFloat32);
+    const int fmt = format_of(copies[0]);
+    const double t0 = wafer::seconds_now();
+    for (const auto& c : copies)
+        wafer::block_linear(x.data_ptr<float>(), x.size(0), x.size(1), c.data_ptr<uint8_t>(), fmt, n, y.data_ptr<float>(), ahead);
+    return wafer::seconds_now() - t0;
+}
+
+// The prefetch table (blockquant.h): (format, out, in) -> bytes ahead, replacing what it held.
+void set_prefetch(const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& rows) {
+    std::map<std::tuple<int, int64_t, int64_t>, int64_t> table;
+    for (const auto& [fmt, n, k, ahead] : rows) {
+        TORCH_CHECK(ahead >= 0, "a prefetch distance is 0 or more bytes");
+        table[std::make_tuple(static_cast<int>(fmt), n, k)] = ahead;
+    }
+    wafer::prefetch_table().replace(std::move(table));
+}
+
+int64_t prefetch_ahead(int64_t fmt, int64_t n, int64_t k) { return wafer::prefetch_table().ahead(static_cast<int>(fmt), n, k); }
+
+// Seconds of one read of buf (uint8, 64-byte aligned, at least 256 bytes a thread) by every thread.
+double read_pass(torch::Tensor buf) {
+    TORCH_CHECK(buf.scalar_type() == torch::kUInt8 && buf.is_contiguous() && buf.numel() >= 256 * at::get_num_threads(),
+                "buf: contiguous uint8, 256 bytes a thread or more");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(buf.data_ptr()) % 64 == 0, "buf: 64-byte aligned");
+    float sink = 0.0f;
+    const double took = wafer::read_pass(reinterpret_cast<const float*>(buf.data_ptr<uint8_t>()), buf.numel(), &sink);
+    volatile float keep = sink;
+    (void)keep;
+    return took;
 }
 
 // A model's layers for decode steps, checked once when it is made: passing and checking its few
@@ -97,8 +137,9 @@ class Model {
             const torch::Tensor& packed = t[i];
             check_packed(packed, in, out);
             const torch::Tensor& bias = t[i + 1];
+            // The prefetch distance is the table's when the model is made (kernels/tuner.py sets it at load).
             return wafer::Linear{packed.data_ptr<uint8_t>(), format_of(packed), bias.numel() ? bias.data_ptr<float>() : nullptr,
-                                 in, out};
+                                 in, out, wafer::prefetch_table().ahead(format_of(packed), out, in)};
         };
         auto weight = [&](const torch::Tensor& w, int64_t size) {
             TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == size,
@@ -291,7 +332,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
         .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, torch::Tensor, double, int64_t, int64_t, int64_t,
                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool, double>())
         .def("step", &Model::step, "one step of every layer for a few tokens", py::call_guard<py::gil_scoped_release>());
-    mod.def("block_linear", &block_linear, "x @ W.T, W in wafer's block records (blockquant.py)",
+    mod.def("block_linear", &block_linear, "x @ W.T, W in wafer's block records (blockquant.py)", py::arg("x"),
+            py::arg("packed"), py::arg("n"), py::arg("ahead") = -1, py::call_guard<py::gil_scoped_release>());
+    mod.def("stream_linear", &stream_linear, "seconds of block_linear over each copy in turn",
+            py::call_guard<py::gil_scoped_release>());
+    mod.def("set_prefetch", &set_prefetch, "the weights' prefetch distance per (format, out, in), in bytes");
+    mod.def("prefetch_ahead", &prefetch_ahead, "the prefetch distance block_linear takes for (format, out, in)");
+    mod.def("read_pass", &read_pass, "seconds of one read of a buffer by every thread",
+            py::call_guard<py::gil_scoped_release>());
+    mod.def("int8_peak", &wafer::int8_peak, "int8 operations a second of the variant's dot product from registers",
             py::call_guard<py::gil_scoped_release>());
     mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1)",
             py::call_guard<py::gil_scoped_release>());

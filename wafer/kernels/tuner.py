@@ -1,0 +1,187 @@
+"""Times the kernels' one machine-dependent parameter on this machine and keeps the fastest.
+
+A decode step streams every weight once, and how fast a core streams depends on how many lines it
+keeps in flight and how its own prefetchers follow a stream: the software prefetch distance that
+helps one microarchitecture slows another. So each linear shape of the installed models is timed
+with each candidate distance (none, a few fixed distances, the default of one group's row), its
+records copied until they outsize the caches so that they come from memory as in a step, the
+candidates taken in turn over several rounds (a shared host's speed drifts), and the median kept.
+A candidate replaces the default only where it is faster by more than MARGIN; the choice never
+changes a result, only when the bytes arrive.
+
+Beside them it measures the machine's read bandwidth and the variant's int8 peak (probe.h), which
+`wafer info` and bench/kernel_roofline.py print the kernels' speed against.
+
+`python -m wafer.kernels --tune` and `wafer models install` run it; the result goes to
+tuning.py's cache for this CPU, variant and kernel sources.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from wafer.kernels import build
+from wafer.kernels.tuning import Shape, ShapeTuning, Tuning, apply, key_for, path_in, save
+
+log = logging.getLogger("wafer.kernels")
+
+STREAM_BYTES = 256 << 20  # a shape's copies together: several times any last-level cache here
+PROBE_BYTES = 512 << 20  # the read-bandwidth buffer
+FIXED_DISTANCES = (0, 1024, 4096, 16384)  # bytes; 0: no software prefetch
+ROUNDS = 5
+MARGIN = 0.03  # a candidate must beat the default by this share of its time to replace it
+RECORD = {4: (32, 320), 5: (32, 384), 6: (32, 448), 8: (32, 576), 44: (256, 2368), 66: (256, 3360)}  # blockquant.h
+
+
+def default_ahead(shape: Shape) -> int:
+    """The distance an untuned shape takes (blockquant.h's group_row_bytes): one group's row."""
+    inputs, size = RECORD[shape.fmt]
+    return shape.inp // inputs * size
+
+
+def candidates(shape: Shape) -> list[int]:
+    return sorted({*FIXED_DISTANCES, default_ahead(shape)})
+
+
+def choose(times: dict[int, list[float]], default: int, margin: float = MARGIN) -> int:
+    """The candidate of the lowest median time, if it is faster than the default beyond the noise:
+    its upper quartile below the default's lower quartile less `margin`; else the default. On a busy
+    machine the rounds spread, and the default stays."""
+    best = min(times, key=lambda c: statistics.median(times[c]))
+    if best == default:
+        return default
+    return best if _quartiles(times[best])[1] < _quartiles(times[default])[0] * (1.0 - margin) else default
+
+
+def _quartiles(ts: list[float]) -> tuple[float, float]:
+    if len(ts) < 2:
+        return ts[0], ts[0]
+    q = statistics.quantiles(ts, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def time_candidates(run: Callable[[int], float], cands: list[int], rounds: int = ROUNDS) -> dict[int, list[float]]:
+    """Seconds of run(candidate) in each round, the candidates taken in turn, each round starting one
+    further on, after one untimed run of each."""
+    for c in cands:
+        run(c)
+    times: dict[int, list[float]] = {c: [] for c in cands}
+    for r in range(rounds):
+        for c in cands[r % len(cands):] + cands[:r % len(cands)]:
+            times[c].append(run(c))
+    return times
+
+
+def stream_runner(module: ModuleType, packed: torch.Tensor, shape: Shape, rows: int = 1,
+                  total: int = STREAM_BYTES) -> Callable[[int], float]:
+    """run(ahead): seconds of one block_linear of `rows` rows over the shape's records, read from
+    memory (copies of `packed` that together outsize the caches, one after another)."""
+    copies = [packed.clone() for _ in range(max(2, -(-total // max(1, packed.numel()))))]
+    x = torch.randn(rows, shape.inp)
+    return lambda ahead: module.stream_linear(copies, x, shape.out, ahead) / len(copies)
+
+
+def shapes_of(model: torch.nn.Module) -> dict[Shape, torch.Tensor]:
+    """Each distinct linear shape of a model on the block kernels' paths, with one of its tensors of records."""
+    found: dict[Shape, torch.Tensor] = {}
+    for mod in model.modules():
+        packed = getattr(mod, "packed", None)
+        if isinstance(packed, torch.Tensor) and hasattr(mod, "fmt") and hasattr(mod, "out_features"):
+            found.setdefault(Shape(int(mod.fmt), int(mod.out_features), int(mod.in_features)), packed)
+    return found
+
+
+def measure_machine(module: ModuleType, thread_counts: Iterable[int], repeats: int = 5
+                    ) -> tuple[dict[int, float], dict[int, float]]:
+    """({threads: read GB/s}, {threads: int8 operations a second}), the best of `repeats` each."""
+    buf = torch.ones(PROBE_BYTES, dtype=torch.uint8)
+    before = torch.get_num_threads()
+    read, peak = {}, {}
+    try:
+        for t in sorted(set(thread_counts)):
+            torch.set_num_threads(t)
+            module.read_pass(buf)
+            read[t] = PROBE_BYTES / min(module.read_pass(buf) for _ in range(repeats)) / 1e9
+            module.int8_peak(10_000)
+            peak[t] = max(module.int8_peak(200_000) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(before)
+    return read, peak
+
+
+def tune(module: ModuleType, variant: str, shapes: dict[Shape, torch.Tensor], threads: int | None = None,
+         rounds: int = ROUNDS, say: Callable[[str], None] = log.info) -> Tuning:
+    """Time every shape's candidates on `threads` threads (default: torch's), and measure the machine."""
+    threads = threads or torch.get_num_threads()
+    read, peak = measure_machine(module, {1, threads})
+    tuning = Tuning(key=key_for(variant, build.fingerprint(build.BY_NAME[variant])), threads=threads,
+                    read_gbps=read, int8_ops=peak)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape, packed in sorted(shapes.items(), key=lambda kv: (kv[0].fmt, kv[0].out, kv[0].inp)):
+            run = stream_runner(module, packed, shape)
+            times = time_candidates(run, candidates(shape), rounds)
+            default = default_ahead(shape)
+            chosen = choose(times, default)
+            median = {c: statistics.median(ts) for c, ts in times.items()}
+            tuning.shapes.append(ShapeTuning(shape, chosen, default, median[default] / median[chosen]))
+            say(f"  format {shape.fmt:>2}, {shape.out:>6} x {shape.inp:<5}: " +
+                "  ".join(f"{c}: {shape_gbps(shape, median[c]):.1f}" for c in sorted(median)) +
+                f" GB/s -> {chosen}")
+            del run
+            gc.collect()
+    finally:
+        torch.set_num_threads(before)
+    return tuning
+
+
+def shape_gbps(shape: Shape, seconds: float) -> float:
+    inputs, size = RECORD[shape.fmt]
+    return -(-shape.out // 16) * (shape.inp // inputs) * size / seconds / 1e9
+
+
+def installed_shapes() -> dict[Shape, torch.Tensor]:
+    """The linear shapes of every installed catalog model on its default compute path."""
+    from wafer.models import catalog
+    from wafer.models.loader import load_model
+
+    shapes: dict[Shape, torch.Tensor] = {}
+    for m in catalog.MODELS:
+        path = catalog.installed_path(m)
+        if path is None:
+            continue
+        loaded = load_model(str(path), compute="auto")
+        for shape, packed in shapes_of(loaded.model).items():
+            shapes.setdefault(shape, packed.clone())
+        del loaded
+        gc.collect()
+    return shapes
+
+
+def tune_installed(say: Callable[[str], None] = print) -> Path | None:
+    """Tune the active variant on the installed models' shapes, save the result and apply it; the
+    cache's path, or None where wafer's kernels do not run."""
+    status = build.status()
+    if status.variant is None:
+        say(f"the kernels are not tuned: {status.problem}")
+        return None
+    module = build.load(status.variant)
+    shapes = installed_shapes()
+    say(f"tuning wafer's {status.variant} kernels for {len(shapes)} linear shapes on "
+        f"{torch.get_num_threads()} threads (prefetch distance in bytes: GB/s)")
+    tuning = tune(module, status.variant, shapes, say=say)
+    path = path_in(build.build_dir(), status.variant)
+    save(path, tuning)
+    apply(module, tuning)
+    build.tuned.cache_clear()
+    say(tuning.summary())
+    say(f"saved to {path}")
+    return path

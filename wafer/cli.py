@@ -110,6 +110,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from wafer.models.loader import resolve_path
 
     path = resolve_path(args.model)
+    from wafer.kernels import build as kernels_build
     from wafer.models.generation_defaults import describe as describe_sampling
     from wafer.models.quant import describe
 
@@ -124,6 +125,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("device", str(loaded.model.norm.weight.device)),
         ("compute path", f"{loaded.compute}: {describe(loaded.compute)}"),
         ("kernels", loaded.kernels + (f"  WARNING: {loaded.warning}" if loaded.warning else "")),
+        ("kernel tuning", kernels_build.tuning_line()),
         ("layers", str(c.num_layers)),
         ("hidden size", str(c.hidden_size)),
         ("attention heads", f"{c.num_heads} query, {c.num_kv_heads} KV (head dim {c.head_dim})"),
@@ -182,11 +184,16 @@ def cmd_models(args: argparse.Namespace) -> int:
                                      f"{', '.join(x.name for x in catalog.MODELS)}")
             chosen.append(m)
     if args.action == "install":
+        from wafer.kernels import tuner
+
+        shapes: dict = {}
         for m in chosen:
             path = catalog.install(m, log=lambda line: print(line, file=sys.stderr))
             if not args.no_prepare:  # convert once now, so that the first `wafer serve` starts in seconds
-                load_with_progress(str(path), quiet=True, device="cpu")
+                tuner.add_shapes(shapes, load_with_progress(str(path), quiet=True, device="cpu").model)
             print(f"{m.name}: installed at {path}", file=sys.stderr)
+        if not args.no_tune:  # the kernels' settings for this machine, timed on these models' shapes
+            tuner.tune_installed(shapes if shapes else None, say=lambda line: print(line, file=sys.stderr))
         return 0
     failed = False
     for m in chosen:
@@ -337,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("names", nargs="*", help="models by name or tier (default: all)")
     mo.add_argument("--no-prepare", action="store_true",
                     help="install only: do not convert the weights for the default compute path now")
+    mo.add_argument("--no-tune", action="store_true",
+                    help="install only: do not time the kernels' settings for this machine on these models now "
+                         "(python -m wafer.kernels --tune does it later)")
     mo.set_defaults(func=cmd_models)
 
     from wafer.benchmark.cli import add_arguments

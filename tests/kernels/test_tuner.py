@@ -46,7 +46,12 @@ def test_the_tuner_keeps_the_fastest_candidate_when_the_others_are_made_slow(act
         def slowed(ahead: int, fast: int = fast) -> float:
             return sum(run(ahead) for _ in range(1 if ahead == fast else 5))
 
-        times = tuner.time_candidates(slowed, cands, rounds=5)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a busy neighbour then slows a run by its share of one core, not by a barrier's wait
+        try:
+            times = tuner.time_candidates(slowed, cands, rounds=5)
+        finally:
+            torch.set_num_threads(threads)
         assert tuner.choose(times, tuner.default_ahead(shape)) == fast
 
 
@@ -151,9 +156,59 @@ def test_the_probes_measure_the_machine(active):
     gbps = buf.numel() / took / 1e9
     assert 0.1 < gbps < 10_000  # a real read of 64 MiB, not an elided loop
     def seconds(iterations: int) -> float:
-        t0 = time.perf_counter()
-        assert module.int8_peak(iterations) > 0
-        return time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            assert module.int8_peak(iterations) > 0
+            best = min(best, time.perf_counter() - t0)
+        return best
 
-    seconds(1_000)
-    assert seconds(400_000) > 4 * seconds(40_000)  # the loop runs as long as it is asked, not folded away
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no waiting on another core's thread, which a busy machine would add
+    try:
+        seconds(1_000)
+        assert seconds(1_000_000) > 4 * seconds(100_000)  # the loop runs as long as it is asked, not folded away
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def own_kernels_dir(tmp_path, monkeypatch):
+    """A WAFER_KERNELS_DIR of this test's own, the variants' builds linked in: tunings go there."""
+    real = build.build_dir()
+    monkeypatch.setenv("WAFER_KERNELS_DIR", str(tmp_path))
+    mine = build.build_dir()
+    mine.mkdir(parents=True)
+    for v in build.runnable():
+        (mine / v.name).symlink_to(real / v.name)
+    build.tuned.cache_clear()
+    yield mine
+    monkeypatch.undo()
+    build.tuned.cache_clear()
+
+
+def test_tuning_installed_shapes_saves_merges_and_shows_in_wafer_info(own_kernels_dir, smollm_shapes, clean_table,
+                                                                       monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(tuner, "STREAM_BYTES", 16 << 20)  # the same measurements, smaller
+    monkeypatch.setattr(tuner, "PROBE_BYTES", 64 << 20)
+    module = clean_table
+    first, second = sorted(smollm_shapes, key=lambda s: s.out * s.inp)[:2]
+    said: list[str] = []
+    path = tuner.tune_installed({first: smollm_shapes[first]}, say=said.append)
+    assert path == tuning.path_in(own_kernels_dir, build.status().variant) and path.exists()
+    tuner.tune_installed({second: smollm_shapes[second]}, say=said.append)
+    saved = build.tuned(build.status().variant)
+    assert saved is not None and {s.shape for s in saved.shapes} == {first, second}  # the first kept
+    assert saved.read_gbps[1] > 0 and saved.int8_ops[1] > 0
+    for s in saved.shapes:
+        assert module.prefetch_ahead(s.shape.fmt, s.shape.out, s.shape.inp) == s.ahead
+    out = subprocess.run([sys.executable, "-m", "wafer.cli", "info"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "WAFER_KERNELS_DIR": os.environ["WAFER_KERNELS_DIR"]})
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("kernel tuning"))
+    assert "tuned for this CPU: 2 linear shapes" in line
+    assert f"{saved.read_gbps[1]:.1f} GB/s on 1 thread" in line and "int8 TOPS" in line

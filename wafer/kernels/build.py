@@ -204,6 +204,17 @@ def _status() -> Status:
     return Status(name, None if name == best else f"WAFER_KERNELS={name} (the best on this CPU is {best})")
 
 
+def tuning_line() -> str:
+    """The active variant's tuning for this machine in a line (`wafer info`, the server's start-up)."""
+    variant = status().variant
+    if variant is None:
+        return "none (wafer's kernels do not run)"
+    found = tuned(variant)
+    if found is None:
+        return f"{variant}: not tuned for this CPU (python -m wafer.kernels --tune, or wafer models install)"
+    return f"{variant}: {found.summary()}"
+
+
 def kernels() -> ModuleType | None:
     """The active variant's extension, or None (WAFER_KERNELS=off, or it could not be built:
     status().problem says which, and it was logged)."""

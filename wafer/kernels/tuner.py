@@ -80,9 +80,11 @@ def time_candidates(run: Callable[[int], float], cands: list[int], rounds: int =
 
 
 def stream_runner(module: ModuleType, packed: torch.Tensor, shape: Shape, rows: int = 1,
-                  total: int = STREAM_BYTES) -> Callable[[int], float]:
+                  total: int | None = None) -> Callable[[int], float]:
     """run(ahead): seconds of one block_linear of `rows` rows over the shape's records, read from
-    memory (copies of `packed` that together outsize the caches, one after another)."""
+    memory (copies of `packed` that together outsize the caches, STREAM_BYTES unless `total` says,
+    one after another)."""
+    total = STREAM_BYTES if total is None else total
     copies = [packed.clone() for _ in range(max(2, -(-total // max(1, packed.numel()))))]
     x = torch.randn(rows, shape.inp)
     return lambda ahead: module.stream_linear(copies, x, shape.out, ahead) / len(copies)
@@ -156,28 +158,36 @@ def installed_shapes() -> dict[Shape, torch.Tensor]:
     shapes: dict[Shape, torch.Tensor] = {}
     for m in catalog.MODELS:
         path = catalog.installed_path(m)
-        if path is None:
-            continue
-        loaded = load_model(str(path), compute="auto")
-        for shape, packed in shapes_of(loaded.model).items():
-            shapes.setdefault(shape, packed.clone())
-        del loaded
-        gc.collect()
+        if path is not None:
+            add_shapes(shapes, load_model(str(path), compute="auto").model)
+            gc.collect()
     return shapes
 
 
-def tune_installed(say: Callable[[str], None] = print) -> Path | None:
-    """Tune the active variant on the installed models' shapes, save the result and apply it; the
-    cache's path, or None where wafer's kernels do not run."""
+def add_shapes(shapes: dict[Shape, torch.Tensor], model: torch.nn.Module) -> None:
+    """Add a model's shapes not yet in `shapes`, each with a copy of its records (the model may go)."""
+    for shape, packed in shapes_of(model).items():
+        if shape not in shapes:
+            shapes[shape] = packed.clone()
+
+
+def tune_installed(shapes: dict[Shape, torch.Tensor] | None = None, say: Callable[[str], None] = print) -> Path | None:
+    """Tune the active variant on `shapes` (default: the installed models'), keep what an earlier tuning
+    on this machine found for other shapes, save the result and apply it. The cache's path, or None
+    where wafer's kernels do not run."""
     status = build.status()
     if status.variant is None:
         say(f"the kernels are not tuned: {status.problem}")
         return None
     module = build.load(status.variant)
-    shapes = installed_shapes()
+    shapes = installed_shapes() if shapes is None else shapes
     say(f"tuning wafer's {status.variant} kernels for {len(shapes)} linear shapes on "
-        f"{torch.get_num_threads()} threads (prefetch distance in bytes: GB/s)")
+        f"{torch.get_num_threads()} threads (prefetch distance in bytes: GB/s at 1 row)")
     tuning = tune(module, status.variant, shapes, say=say)
+    earlier = build.tuned(status.variant)
+    if earlier is not None:
+        timed = {s.shape for s in tuning.shapes}
+        tuning.shapes += [s for s in earlier.shapes if s.shape not in timed]
     path = path_in(build.build_dir(), status.variant)
     save(path, tuning)
     apply(module, tuning)

@@ -374,6 +374,10 @@ def serve(args: argparse.Namespace) -> int:
     tiers = ", ".join(f"{t} -> {' | '.join(v)}" for t, v in cfg.tiers.items())
     print(f"wafer {__version__} serving on http://{host}:{args.port}/v1: models {', '.join(cfg.models)}; "
           f"tiers {tiers}; names {', '.join(router.names)}", file=sys.stderr, flush=True)
+    if any(m.compute["kernels"].startswith("wafer ") for m in served):
+        from wafer.kernels.build import tuning_line
+
+        print(f"  kernels: {tuning_line()}", file=sys.stderr, flush=True)
     for m in served:
         print(f"  {m.names[0]}: compute path {m.compute['path']} on {m.compute['kernels']}", file=sys.stderr, flush=True)
         if (stages := m.engine.stats().pipeline) is not None:

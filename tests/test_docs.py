@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shlex
 import shutil
@@ -24,7 +23,7 @@ import pytest
 
 from tests.serving import free_port, wait_healthy
 
-# `make serve`'s three tiers in a server process of their own, and a minute or two of decoding on sol
+# A long module: `make serve`'s three tiers load in a server process of their own, and examples decode on sol.
 pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +89,27 @@ def test_the_readme_links_resolve():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", target.read_text(), re.MULTILINE)
             assert anchor in {slugify(h, "-") for h in headings}, f"README links to {link}: no such heading"
+
+
+def test_the_modules_and_functions_the_docs_name_exist():
+    """`python -m wafer...` commands run a module that exists (a package, its __main__), and a
+    function named as `wafer.module.function()` is there: modules move, and the docs must follow."""
+    import importlib
+    import importlib.util
+
+    texts = [README.read_text(), *(page.read_text() for page in DOCS.rglob("*.md"))]
+    modules = {m for text in texts for m in re.findall(r"-m (wafer(?:\.\w+)+)", text)}
+    functions = {f for text in texts for f in re.findall(r"`(wafer(?:\.\w+)+)\(\)`", text)}
+    assert modules and functions
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None, f"the docs run `-m {name}`, which does not exist"
+        if spec.submodule_search_locations is not None:
+            assert importlib.util.find_spec(name + ".__main__") is not None, f"`-m {name}`: a package without __main__"
+    for dotted in functions:
+        module, _, attr = dotted.rpartition(".")
+        found = getattr(importlib.import_module(module), attr, None)
+        assert callable(found), f"the docs name {dotted}(), which is gone"
 
 
 # --- every setting ---------------------------------------------------------------------------------
@@ -256,7 +276,7 @@ def test_the_quick_start_runs_as_written(make_serve):
     assert clients, "the quick start has examples to run"
     for lang, code in clients:
         out = run_block(lang, at(make_serve, code))
-        if out.lstrip().startswith("{"):  # curl prints the body whatever the status: read it
+        if lang == "sh":  # curl, which prints the body whatever the status: it must be an answer
             body = json.loads(out)
             assert "error" not in body, body
             assert body["choices"][0]["message"]["content"].strip(), body
@@ -270,15 +290,15 @@ def example(title: str) -> tuple[str, str]:
     return lang, code
 
 
-def test_the_max_example_reasons_then_answers(make_serve):
-    out = run_block(*example_at("Max", make_serve))
-    reasoning = out.split("reasoning:", 1)[1].split("answer:", 1)
-    assert reasoning[0].strip() and reasoning[1].strip(), out
-
-
 def example_at(title: str, base: str) -> tuple[str, str]:
     lang, code = example(title)
     return lang, at(base, code)
+
+
+def test_the_max_example_reasons_then_answers(make_serve):
+    out = run_block(*example_at("Max", make_serve))
+    reasoning, answer = out.split("reasoning:", 1)[1].split("answer:", 1)
+    assert reasoning.strip() and answer.strip(), out
 
 
 # Programmatic tool calling and Ultra on a scripted model: what the README teaches there is the

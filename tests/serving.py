@@ -1,11 +1,18 @@
-"""A real wafer server on a free loopback port, in this process so tests can look inside it."""
+"""A real wafer server on a free loopback port, in this process so tests can look inside it, or in a
+process of its own (serve_process)."""
 
 from __future__ import annotations
 
+import shlex
+import signal
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -83,3 +90,26 @@ def wait_healthy(base: str, timeout: float) -> None:
             last = repr(e)
         time.sleep(0.1)
     raise TimeoutError(f"{base}/health not 200 after {timeout:g} s; last: {last}")
+
+
+@contextmanager
+def serve_process(argv: list[str], port: int, log: Path, timeout: float, **popen: object) -> Iterator[None]:
+    """A server process (`wafer serve`, `make serve`) that listens on `port`, its output in `log`,
+    from when /health answers until the block ends, then stopped with SIGTERM as an operator stops
+    it (killed if it has not ended 60 s later). Raises AssertionError with the log's end if /health
+    has not answered after `timeout` seconds."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+    try:
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", timeout)
+        except TimeoutError:
+            raise AssertionError(f"`{shlex.join(argv)}` did not come up:\n{log.read_text()[-3000:]}") from None
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -12,7 +12,6 @@ import json
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tomllib
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import free_port, wait_healthy
+from tests.serving import free_port, serve_process
 
 # A long module: `make serve`'s three tiers load in a server process of their own, and examples decode on sol.
 pytestmark = pytest.mark.heavy
@@ -251,22 +250,8 @@ def make_serve(tmp_path_factory) -> Iterator[str]:
     writes it (localhost) with that port."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([*serve_command(), "--port", str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", 240)
-        except TimeoutError:
-            raise AssertionError(f"make serve's server did not come up:\n{log.read_text()[-3000:]}") from None
+    with serve_process([*serve_command(), "--port", str(port)], port, log, 240, cwd=ROOT):
         yield f"http://localhost:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_the_quick_start_runs_as_written(make_serve):

@@ -4,6 +4,8 @@ is built, WAFER_KERNELS forces one or turns them off, and a fallback always says
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -89,3 +91,48 @@ def test_a_built_variant_loads_without_the_build_tools_until_its_sources_change(
     assert out.returncode == 0, out.stderr
     stamp = kernels.build_dir() / name / "sources.sha256"
     assert stamp.read_text() == kernels.fingerprint(kernels.BY_NAME[name])  # left as it was
+
+
+def _status_in_a_process(env: dict[str, str], code: str = "") -> subprocess.CompletedProcess[str]:
+    """status().problem of a fresh process (status() is cached), after `code` has run there."""
+    script = f"from pathlib import Path\nfrom wafer.kernels import build\n{code}\nprint(build.status().problem)"
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_a_failed_build_names_the_compilers_first_error(tmp_path):
+    """A source that does not compile (here a header missing from csrc/) is named at start-up by the
+    compiler's own error, not by ninja's closing line, and the warning is logged."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kernels.SOURCE.parent, csrc)
+    (csrc / "simd.h").unlink()
+    out = _status_in_a_process({"WAFER_KERNELS": "portable", "WAFER_KERNELS_DIR": str(tmp_path / "builds")},
+                               f"build.SOURCE = Path({str(csrc / kernels.SOURCE.name)!r})")
+    problem = out.stdout.strip()
+    assert problem.startswith("wafer's portable kernels could not be built (")
+    assert re.search(r"fatal error: '?simd\.h'?", problem), problem
+    assert "ninja" not in problem and str(tmp_path) not in problem
+    assert problem in out.stderr
+
+
+def test_a_build_folder_that_cannot_be_made_is_named_with_the_setting_that_moves_it(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    builds = tmp_path / "a-file" / "builds"
+    problem = _status_in_a_process({"WAFER_KERNELS": "portable", "WAFER_KERNELS_DIR": str(builds)}).stdout.strip()
+    assert str(builds) in problem and "WAFER_KERNELS_DIR chooses where the builds go" in problem
+
+
+@pytest.mark.parametrize("message, cause", [
+    ("Error building extension 'x': [1/2] c++ -c k.cpp\nFAILED: k.o\n/src/csrc/k.cpp:3:5: error: 'f' was not "
+     "declared in this scope\n/src/csrc/k.cpp:9:1: error: expected ';'\nninja: build stopped: subcommand failed.\n",
+     "k.cpp:3:5: error: 'f' was not declared in this scope"),
+    ("Error building extension 'x': [2/2] c++ k.o -o x.so\nFAILED: x.so\n/usr/bin/ld: k.o: in function `g':\n"
+     "k.cpp:(.text+0x1): undefined reference to `h'\ncollect2: error: ld returned 1 exit status\nninja: build stopped",
+     "k.cpp:(.text+0x1): undefined reference to `h'"),
+    ("Ninja is required to load C++ extensions (pip install ninja to get it)",
+     "Ninja is required to load C++ extensions (pip install ninja to get it)"),
+])
+def test_the_cause_of_a_failed_build_is_its_first_error_line(message, cause):
+    assert kernels.build_error(RuntimeError(message)) == cause

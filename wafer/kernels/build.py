@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -200,8 +201,28 @@ def _status() -> Status:
     try:
         load(name)
     except Exception as e:  # noqa: BLE001 - any build failure: the stock path, said out loud
-        return Status(None, f"wafer's {name} kernels could not be built ({str(e).strip().splitlines()[-1]})")
+        return Status(None, f"wafer's {name} kernels could not be built ({build_error(e)})")
     return Status(name, None if name == best else f"WAFER_KERNELS={name} (the best on this CPU is {best})")
+
+
+_COMPILER_ERROR = re.compile(r"error:|undefined reference")
+
+
+def build_error(e: BaseException) -> str:
+    """The line of a failed build that names its cause. PyTorch's exception holds ninja's whole
+    output, whose last line ("ninja: build stopped") names none: the compiler's or linker's first
+    error line does, its file named without the folder. A folder that cannot be written (an
+    environment installed read-only, say) is named with the setting that moves the builds. Any other
+    failure gives its last line."""
+    if isinstance(e, OSError) and e.filename:
+        path, builds = Path(e.filename), build_dir()
+        if path == builds or path in builds.parents or builds in path.parents:
+            return f"{e}; WAFER_KERNELS_DIR chooses where the builds go"
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    first = next((line for line in lines if _COMPILER_ERROR.search(line)), None)
+    if first is not None:
+        return re.sub(r"^\S*/", "", first)
+    return lines[-1] if lines else type(e).__name__
 
 
 def tuning_line() -> str:

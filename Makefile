@@ -72,6 +72,8 @@ $(LLAMA_STAMP): $(STAMP) bench/build_llama_cpp.py
 	touch $(LLAMA_STAMP)
 
 bench: $(STAMP) $(LLAMA_STAMP)
+	$(BIN)/python bench/tiers.py
+	$(BIN)/python bench/kernel_roofline.py
 	$(BIN)/python bench/load.py
 	$(BIN)/python bench/decode.py
 	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/decode.py --isa avx2; fi

@@ -32,7 +32,7 @@ from bench.common import PROMPT, now, table  # noqa: E402
 THREADS = 2
 
 
-def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False, loaded=None):
+def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False, loaded=None, max_model_len: int = 2048):
     """(prompt_ids, run): run(ids, n) decodes greedily and returns (TTFT s, decode tok/s). EOS is
     suppressed by logit bias, as llama-cpp-python's run does, or with ignore_eos as an HTTP
     request asks for it."""
@@ -42,7 +42,7 @@ def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False, loa
 
     loaded = loaded or load_model(compute=compute)
     # No prefix cache: every run prefills its whole prompt, as llama-cpp-python's reset=True does.
-    engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=2048, prefix_caching=False))
+    engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=max_model_len, prefix_caching=False))
     tok = loaded.tokenizer
 
     def prompt_ids(text: str) -> list[int]:

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,18 @@ def test_a_build_folder_that_cannot_be_made_is_named_with_the_setting_that_moves
 ])
 def test_the_cause_of_a_failed_build_is_its_first_error_line(message, cause):
     assert kernels.build_error(RuntimeError(message)) == cause
+
+
+def test_the_environments_ninja_is_found_when_the_environment_is_not_activated(monkeypatch, tmp_path):
+    """pip puts ninja among the environment's scripts; a process started without activating it has
+    another PATH, and PyTorch's builder looks for ninja there."""
+    import shutil
+    import sysconfig
+
+    scripts = sysconfig.get_path("scripts")
+    if not shutil.which("ninja", path=scripts):
+        pytest.skip(f"no ninja among this environment's scripts ({scripts}): pip install ninja puts one there")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") is None
+    kernels.ninja_on_path()
+    assert shutil.which("ninja") == str(Path(scripts) / "ninja")

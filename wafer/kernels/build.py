@@ -26,8 +26,10 @@ import logging
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -148,6 +150,14 @@ def tuned(variant: str) -> tuning.Tuning | None:
     return tuning.load(tuning.path_in(build_dir(), variant), tuning.key_for(variant, fingerprint(BY_NAME[variant])))
 
 
+def ninja_on_path() -> None:
+    """PyTorch's builder runs `ninja` from PATH, and pip installs it among the environment's scripts,
+    which PATH lacks wherever the environment is not activated: put them there when no ninja is found."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and scripts and shutil.which("ninja", path=scripts):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
 def _import_or_build(variant: str) -> ModuleType:
     """The compiled extension of one variant, built now if set-up did not. Raises on a failed build.
 
@@ -165,6 +175,7 @@ def _import_or_build(variant: str) -> ModuleType:
             return module
     from torch.utils.cpp_extension import load as load_extension
 
+    ninja_on_path()
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob(_module_name(variant) + "*.so")):
         log.warning("building wafer's %s kernels now (set-up normally does: python -m wafer.kernels)", variant)

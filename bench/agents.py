@@ -34,13 +34,13 @@ import openai  # noqa: E402
 
 from tests.serving import serve_app, start_server  # noqa: E402
 from wafer.agents import ultra  # noqa: E402
-from wafer.server.app import create_app  # noqa: E402
-from wafer.server.main import build_served  # noqa: E402
 from wafer.agents.responses import ResponsesService  # noqa: E402
 from wafer.agents.store import ResponseStore  # noqa: E402
+from wafer.models.catalog import find  # noqa: E402
 from wafer.models.chat_template import ChatTemplate  # noqa: E402
 from wafer.models.loader import load_model, load_tokenizer  # noqa: E402
-from wafer.models.catalog import find  # noqa: E402
+from wafer.server.app import create_app  # noqa: E402
+from wafer.server.main import build_served  # noqa: E402
 
 # --- the world the tools read --------------------------------------------------------------------
 # Records as an inventory or order service returns them: the fields a client may want, not only the
@@ -412,7 +412,7 @@ def main() -> None:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=900)
         if args.ultra:
             ultra_rows(client, "SmolLM2-135M-Instruct", [int(n) for n in args.ultra.split(",")],
-                       served.engine.engine.kv.forget_prefixes, args.rounds)
+                       served.engine.engine.blocks.forget_prefixes, args.rounds)
         if args.max:
             max_rows(client, "SmolLM2-135M-Instruct", args.max.split(","))
         server.stop()

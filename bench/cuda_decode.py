@@ -14,8 +14,9 @@ import statistics
 import torch
 
 from bench.common import now, table
-from wafer.engine.kv_cache import KVCache, bytes_per_token
-from wafer.engine.runner import ModelRunner
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_layout import bytes_per_token
+from wafer.engine.model_runner import ModelRunner
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.models.config import ModelConfig
@@ -50,7 +51,7 @@ def random_model(shape: str, device: str, dtype: torch.dtype) -> LlamaModel:
 def decode(runner: ModelRunner, kv: KVCache, prompt: list[int], n: int) -> tuple[float, float]:
     """(TTFT s, decode tokens/s) for one greedy sequence of n new tokens."""
     seq = Sequence(list(prompt), SamplingParams(max_tokens=n))
-    seq.slot, _ = kv.allocate()
+    seq.slot, _ = kv.blocks.allocate()
     sync = torch.cuda.synchronize if kv.layers[0][0].is_cuda else (lambda: None)
     sync()
     t0 = now()
@@ -64,7 +65,7 @@ def decode(runner: ModelRunner, kv: KVCache, prompt: list[int], n: int) -> tuple
         seq.num_cached += 1
     sync()
     end = now()
-    kv.free(seq.slot)
+    kv.blocks.free(seq.slot)
     return first - t0, (n - 1) / (end - first)
 
 

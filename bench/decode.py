@@ -36,7 +36,8 @@ def wafer_runner(n_new: int, compute: str = "f32", ignore_eos: bool = False, loa
     """(prompt_ids, run): run(ids, n) decodes greedily and returns (TTFT s, decode tok/s). EOS is
     suppressed by logit bias, as llama-cpp-python's run does, or with ignore_eos as an HTTP
     request asks for it."""
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
 
@@ -130,7 +131,8 @@ def step_bytes(loaded) -> int:
 
 def concurrent(loaded, n_seqs: int, prompt: list[int], n_new: int) -> float:
     """Aggregate decode tokens/s of n_seqs sequences decoding together (after each one's first token)."""
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(max_running=n_seqs, max_model_len=2048, prefix_caching=False))

@@ -33,16 +33,11 @@ import torch  # noqa: E402
 from bench.common import table  # noqa: E402
 from bench.decode import cpu_model  # noqa: E402
 from bench.llamacpp import LlamaCpp, available  # noqa: E402
-from wafer.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from wafer.engine.kv_cache import (  # noqa: E402
-    BLOCK,
-    KV_DTYPES,
-    KVCache,
-    KVCacheFull,
-    bytes_per_token,
-    layer_bytes_per_token,
-    plan_blocks,
-)
+from wafer.engine.block_manager import KVCacheFull  # noqa: E402
+from wafer.engine.config import EngineConfig  # noqa: E402
+from wafer.engine.engine import LLMEngine  # noqa: E402
+from wafer.engine.kv_cache import KVCache  # noqa: E402
+from wafer.engine.kv_layout import BLOCK, KV_DTYPES, bytes_per_token, layer_bytes_per_token, plan_blocks  # noqa: E402
 from wafer.engine.sequence import SamplingParams  # noqa: E402
 from wafer.models import catalog  # noqa: E402
 from wafer.models.gguf_loader import GGUFFile  # noqa: E402
@@ -73,19 +68,19 @@ def held_context(cfg, dtype: torch.dtype, ctx: int, windows: bool, step: int = 2
     gc.collect()
     before = rss_mb()
     kv = KVCache(cfg, 1, ctx, dtype, max_step=step, window_pool=None if windows else 0)
-    slot, _ = kv.allocate(list(range(ctx)))
+    slot, _ = kv.blocks.allocate(list(range(ctx)))
     done = 0
     while done < ctx:
         end = min(ctx, done + step)
-        kv.reserve(slot, end)
+        kv.blocks.reserve(slot, end)
         for layer, (k, v) in enumerate(kv.layers):
-            blocks = kv.blocks_of(slot, kv.layer_group[layer])[done // BLOCK : -(-end // BLOCK)]
+            blocks = kv.blocks.blocks_of(slot, kv.blocks.layer_group[layer])[done // BLOCK : -(-end // BLOCK)]
             k[:, blocks] = 1
             v[:, blocks] = 1
-        kv.set_length(slot, end)
+        kv.blocks.set_length(slot, end)
         done = end
     grew = rss_mb() - before
-    peak = kv.peak_bytes / MB
+    peak = kv.blocks.peak_bytes / MB
     del kv
     gc.collect()
     return peak, grew
@@ -99,14 +94,14 @@ def sequences_in(cfg, dtype: torch.dtype, budget: int, length: int, windows: boo
     for n in range(1, 1024):
         blocks, pool = plan_blocks(cfg, dtype, n, length, budget, step, windows)
         kv = KVCache(cfg, n, length, dtype, num_blocks=blocks, max_step=step, window_pool=pool)
-        if kv.capacity_bytes > budget:
+        if kv.blocks.capacity_bytes > budget:
             break
         try:
-            slots = [kv.allocate()[0] for _ in range(n)]
+            slots = [kv.blocks.allocate()[0] for _ in range(n)]
             for end in range(step, length + step, step):  # the sequences side by side, a step each
                 for slot in slots:
-                    kv.reserve(slot, min(end, length))
-                    kv.set_length(slot, min(end, length))
+                    kv.blocks.reserve(slot, min(end, length))
+                    kv.blocks.set_length(slot, min(end, length))
         except KVCacheFull:
             break
         fits = n

@@ -42,7 +42,8 @@ def child_wafer(path: str, ids: list[int]) -> None:
     import torch
 
     torch.set_num_threads(THREADS)
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
 
@@ -86,10 +87,10 @@ def main() -> None:
         (child_wafer if kind.startswith("wafer") else child_llama)(path, json.loads(ids))
         return
 
-    from wafer.models import catalog
     from wafer.kernels.build import features_line
-    from wafer.models.loader import load_tokenizer
+    from wafer.models import catalog
     from wafer.models.chat_template import ChatTemplate
+    from wafer.models.loader import load_tokenizer
 
     chosen = [catalog.find(n) for n in args.models] if args.models else list(catalog.CATALOG)
     base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(THREADS))

@@ -33,7 +33,8 @@ def main() -> None:
     import uvloop
 
     from wafer.engine.compute_threads import ComputeThreads
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
     from wafer.server.generation import TEXT_HOLE, sse, text_event

@@ -1,4 +1,4 @@
-"""Pipeline stages (engine/pipeline.py) against one process, side by side in one run.
+"""Pipeline stages (engine/pipeline/) against one process, side by side in one run.
 
 For 1, 2 and 3 stages, each in a fresh process (so that memory figures are its own): S streams
 (1, 4, 16) of the same chat prompt decode --tokens tokens each, greedy, ignoring end of sequence,
@@ -41,7 +41,8 @@ def rss_mb(pid: int) -> float:
 def child(model: str | None, stages: int, tokens: int) -> dict:
     import torch
 
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
     from wafer.models.stage import layer_costs
@@ -59,7 +60,7 @@ def child(model: str | None, stages: int, tokens: int) -> dict:
         start = None
         pipe = engine.pipeline
         before = (pipe.transfer_seconds, pipe.bytes_sent + pipe.bytes_received) if pipe else (0.0, 0)
-        while engine.has_work or engine._in_flight:
+        while engine.has_work or engine.executor.in_flight:
             engine.step()
             if start is None and all(len(s.tokens) > s.num_prompt for s in seqs):
                 start, first = time.perf_counter(), sum(len(s.tokens) - s.num_prompt for s in seqs)

@@ -77,7 +77,7 @@ def replay(base_url: str, model: str, turns: int, max_tokens: int = 48) -> list[
 def expected_cached(turns: list[Turn]) -> list[int | None]:
     """What each turn should find cached: the whole blocks of what the previous turn computed (the
     cache shares blocks of BLOCK tokens)."""
-    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.kv_layout import BLOCK
 
     return [None] + [(t.prompt_tokens + t.completion_tokens - 1) // BLOCK * BLOCK for t in turns[:-1]]
 
@@ -106,7 +106,8 @@ def burst(n: int, rounds: int) -> None:
     import statistics
 
     import wafer.engine.scheduler as scheduler
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
 
@@ -128,7 +129,7 @@ def burst(n: int, rounds: int) -> None:
                 while not all(s.finished for s in seqs):
                     engine.step()
                 times[label].append(time.perf_counter() - started)
-                hits[label] = engine.kv.prefix_hit_tokens
+                hits[label] = engine.blocks.prefix_hit_tokens
     finally:
         scheduler.SHARED_BLOCKS_TO_WAIT = wait
     base = statistics.median(times["compute them beside"])

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from bench.common import table  # noqa: E402
 from wafer.engine.kv_cache import KVCache  # noqa: E402
-from wafer.engine.runner import ModelRunner  # noqa: E402
+from wafer.engine.model_runner import ModelRunner  # noqa: E402
 from wafer.engine.scheduler import ScheduledSeq  # noqa: E402
 from wafer.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402

@@ -162,7 +162,8 @@ def engine_runner(compute: str, loaded=None):  # type: ignore[no-untyped-def]
     """The engine in this process (on `loaded`, else the default model loaded for `compute`), with
     the server's settings for this request: no prefix cache (each run prefills its whole prompt),
     ignore_eos, the time of each token as its step returns."""
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
     from wafer.models.loader import load_model
 

@@ -76,9 +76,10 @@ def workloads(loaded) -> dict[str, list[list[int]]]:
 
 
 def wafer_runner(loaded, spec: str, k: int, draft=None, length: str = "fixed"):
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
-    from wafer.engine.speculative import SpeculativeConfig
+    from wafer.engine.speculative.config import SpeculativeConfig
 
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=4096, prefix_caching=False,
                                             speculative=SpeculativeConfig.parse(spec, k, length)), draft=draft)
@@ -177,7 +178,7 @@ def main() -> None:
         if lcpp is not None:
             runs["llama-cpp-python"] = lcpp
         before = {m: (e.stats.spec.drafts, e.stats.spec.accepted_tokens, list(e.stats.spec.accepted_per_pos),
-                      dict(e.draft_length.chosen) if e.draft_length else None) for m, (e, _) in methods.items()}
+                      dict(e.speculator.draft_length.chosen) if e.speculator.draft_length else None) for m, (e, _) in methods.items()}
         speeds, tokens, outputs = rounds(runs, prompts, args.tokens, args.repeats)
         base, ref = speeds[label], outputs[label][0]
         rows.append([name, label, str(tokens[label]), f"{statistics.median(base):.1f}", "-", "1.00x", "-"])
@@ -189,7 +190,7 @@ def main() -> None:
             per_position[(name, method)] = ", ".join(f"{n / drafts:.2f}" for n in per_pos) if drafts else "-"
             if chosen is not None:
                 lengths_chosen[(name, method)] = ", ".join(
-                    f"{k}: {n - chosen[k]}" for k, n in engine.draft_length.chosen.items() if n > chosen[k])
+                    f"{k}: {n - chosen[k]}" for k, n in engine.speculator.draft_length.chosen.items() if n > chosen[k])
             same = all(out == ref for out in outputs[method])
             rows.append([name, method, str(tokens[method]), f"{statistics.median(speeds[method]):.1f}",
                          f"{1 + accepted / drafts:.2f}" if drafts else "-", ratio(speeds[method], base),

@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from bench.common import table  # noqa: E402
 from bench.decode import THREADS  # noqa: E402
 from bench.server_decode import engine_runner  # noqa: E402
-from wafer.models.blockquant import onto_huge_pages  # noqa: E402
 from wafer.kernels.build import kernels, status  # noqa: E402
+from wafer.models.blockquant import onto_huge_pages  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402
 from wafer.models.quant import BlockLinear  # noqa: E402
 
@@ -111,7 +111,7 @@ def model_logits(rows: int) -> torch.Tensor:
     """The default model's logits at the last `rows` positions of a held text."""
     from bench.quality import corpus_ids
     from wafer.engine.kv_cache import KVCache
-    from wafer.engine.runner import ModelRunner
+    from wafer.engine.model_runner import ModelRunner
     from wafer.engine.scheduler import ScheduledSeq
     from wafer.engine.sequence import SamplingParams, Sequence
 
@@ -119,8 +119,8 @@ def model_logits(rows: int) -> torch.Tensor:
     ids = corpus_ids(loaded.tokenizer, rows + 16)
     kv = KVCache(loaded.config, 1, len(ids), dtype=torch.float32)
     seq = Sequence(ids, SamplingParams())
-    seq.slot, _ = kv.allocate(None)
-    kv.reserve(seq.slot, len(ids))
+    seq.slot, _ = kv.blocks.allocate(None)
+    kv.blocks.reserve(seq.slot, len(ids))
     with torch.inference_mode():
         return ModelRunner(loaded.model, kv).run([ScheduledSeq(seq, 0, len(ids))], all_logits=True)[-rows:].clone()
 
@@ -161,9 +161,10 @@ def sampled(model: str, rounds: int) -> list[list[str]]:
     import random
 
     from wafer.engine import sampler as sampler_module
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
-    from wafer.engine.speculative import SpeculativeConfig
+    from wafer.engine.speculative.config import SpeculativeConfig
     from wafer.models.generation_defaults import NEUTRAL
 
     loaded = load_model(model, compute="auto")

@@ -20,7 +20,8 @@ import torch  # noqa: E402
 
 from bench.common import PROMPT, table  # noqa: E402
 from bench.llamacpp import LlamaCpp, available  # noqa: E402
-from wafer.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from wafer.engine.config import EngineConfig  # noqa: E402
+from wafer.engine.engine import LLMEngine  # noqa: E402
 from wafer.engine.sequence import SamplingParams  # noqa: E402
 from wafer.models.loader import load_model  # noqa: E402
 

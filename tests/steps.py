@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from wafer.engine.kv_cache import KVCache
-from wafer.engine.runner import ModelRunner
+from wafer.engine.model_runner import ModelRunner
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence
 
@@ -15,7 +15,7 @@ def prefill(runner: ModelRunner, kv: KVCache, prompts: list[list[int]]) -> list[
     seqs = []
     for p in prompts:
         seq = Sequence(list(p), SamplingParams())
-        seq.slot, _ = kv.allocate()
+        seq.slot, _ = kv.blocks.allocate()
         runner.run([ScheduledSeq(seq, 0, len(p) - 1)])
         seq.num_cached = len(p) - 1
         seqs.append(seq)

@@ -87,12 +87,48 @@ def test_the_layers_import_one_way():
     assert not wrong, "\n".join(sorted(wrong))
 
 
-INSIDES = re.compile(r"\bengine\.(engine|kv|scheduler|runner|constraints)\b|\.constraints\.")
+# Where the engine decides what runs (which sequences, which blocks, how much prompt work) and the
+# parts that run it (the model runner, its executors, CUDA graphs, pipeline stages, the KV tensors).
+DECIDES = ("wafer.engine.scheduler", "wafer.engine.block_manager", "wafer.engine.block_pool",
+           "wafer.engine.kv_layout", "wafer.engine.prompt_budget", "wafer.engine.step_cost", "wafer.engine.sequence")
+RUNS = ("wafer.engine.model_runner", "wafer.engine.executor", "wafer.engine.cuda_graph", "wafer.engine.pipeline",
+        "wafer.engine.kv_cache")
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, stack = set(), [start]
+    while stack:
+        for nxt in graph[stack.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def test_the_scheduler_and_the_block_manager_do_not_reach_the_runner():
+    """The scheduler, the block manager and what they use know sequences and blocks, not tensors or
+    how a step is computed: nothing they import, through any chain, is the runner's."""
+    graph = _imports()
+    wrong = [f"{name} reaches {dep}" for name in DECIDES for dep in _reachable(graph, name) if dep.startswith(RUNS)]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_engines_parts_do_not_import_the_engine():
+    """LLMEngine puts the parts together; only AsyncEngine, which steps it, imports it."""
+    graph = _imports()
+    wrong = [name for name, deps in graph.items() if name.startswith("wafer.engine") and "wafer.engine.engine" in deps
+             and name not in ("wafer.engine.engine", "wafer.engine.async_engine")]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+INSIDES = re.compile(r"\bengine\.(engine|kv|blocks|scheduler|runner|executor|speculator|picker|outputs|budget|constraints)\b"
+                     r"|\.constraints\.")
 
 
 def test_the_server_reaches_the_engine_through_its_interface():
-    """Nothing above the engine reads an engine's insides (`.engine.engine`, its KV cache, its
-    scheduler, its grammar constraints): AsyncEngine is the boundary."""
+    """Nothing above the engine reads an engine's insides (`.engine.engine`, its KV cache and blocks,
+    its scheduler, runner, executor, speculator, token picker, output processor, prompt budget, its
+    grammar constraints): AsyncEngine is the boundary."""
     found = []
     for path in ROOT.rglob("*.py"):
         if _module(path).startswith(("wafer.server", "wafer.router", "wafer.agents")):

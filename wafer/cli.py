@@ -20,7 +20,8 @@ EXIT_USAGE = 2
 
 
 def make_engine(loaded: "LoadedModel", args: argparse.Namespace) -> "LLMEngine":
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
 
     return LLMEngine(loaded, EngineConfig(max_model_len=args.max_model_len))
 
@@ -149,8 +150,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _kv_bytes_line(loaded: "LoadedModel") -> str:
     """KV bytes per token in each KV dtype (the one `auto` picks first), split by layer type where
     some layers attend to a window."""
-    from wafer.engine.engine import kv_dtype
-    from wafer.engine.kv_cache import KV_DTYPES, bytes_per_token
+    from wafer.engine.kv_layout import KV_DTYPES, bytes_per_token, kv_dtype
 
     c = loaded.config
     chosen = kv_dtype("auto", loaded)

@@ -16,7 +16,7 @@ from tests.agents.scripted import ScriptedChat
 from tests.serving import start_server
 from wafer.agents.responses import ResponsesService
 from wafer.agents.store import ResponseStore
-from wafer.engine.kv_cache import BLOCK
+from wafer.engine.kv_layout import BLOCK
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -208,7 +208,7 @@ def test_subagents_are_batched_in_one_engine(real):
     server, client = real
     before = server.engine.stats.max_batch_size
     server.engine.stats.max_batch_size = 0
-    hits = server.engine.kv.prefix_hit_tokens
+    hits = server.engine.blocks.prefix_hit_tokens
     drafts = server.engine.stats.spec.drafts
     r = client.responses.create(model=MODEL + "-ultra", input="Write about four animals: cats, dogs, owls, bees.",
                                 temperature=0, max_output_tokens=200,
@@ -219,7 +219,7 @@ def test_subagents_are_batched_in_one_engine(real):
     # the four agents' decode steps ran in the same engine steps
     assert server.engine.stats.max_batch_size >= 4, server.engine.stats
     # and their instructions, the same for all four, were computed once: three agents found them cached
-    assert server.engine.kv.prefix_hit_tokens - hits >= 3 * 3 * BLOCK
+    assert server.engine.blocks.prefix_hit_tokens - hits >= 3 * 3 * BLOCK
     # the synthesis, which alone asks for prompt lookup on a server that does not speculate, drafted
     assert server.engine.stats.spec.drafts > drafts
     server.engine.stats.max_batch_size = max(before, server.engine.stats.max_batch_size)
@@ -236,7 +236,7 @@ def test_cancelling_the_stream_stops_every_agent(real):
             if len(seen - {"root"}) >= 2:
                 break  # leaves the stream: the client goes away mid-response
     server.wait_idle(30)
-    assert server.engine.kv.num_used == 0 and server.engine.kv.usage == 0.0
+    assert server.engine.blocks.num_used == 0 and server.engine.blocks.usage == 0.0
 
 
 def test_delete_cancels_a_response_being_made(real):

@@ -8,7 +8,8 @@ import logging
 
 from wafer.engine import async_engine
 from wafer.engine.async_engine import AsyncEngine
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.models.loader import load_model
 
@@ -39,7 +40,7 @@ def test_a_step_puts_every_request_output_into_its_queue_tagged_when_shared(tiny
         assert sorted(key for key, _ in items) == [0, 1]
         assert all(isinstance(out, SequenceOutput) for _, out in items)
     assert all(out.finished for _, out in per_step[-1])
-    assert engine.idle and engine.engine.kv.num_used == 0
+    assert engine.idle and engine.engine.blocks.num_used == 0
 
 
 def test_abort_ends_a_request_before_the_next_step(tiny_dir):
@@ -48,7 +49,7 @@ def test_abort_ends_a_request_before_the_next_step(tiny_dir):
     assert engine.poll() and engine.num_running == 1
     engine.abort(req)
     assert not engine.poll()  # the abort is taken first, so nothing is left to step
-    assert engine.num_running == 0 and engine.engine.kv.num_used == 0
+    assert engine.num_running == 0 and engine.engine.blocks.num_used == 0
 
 
 def test_each_step_is_timed_for_its_observers_and_a_slow_one_is_logged(tiny_dir, monkeypatch, caplog):

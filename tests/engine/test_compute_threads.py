@@ -21,7 +21,8 @@ from wafer.engine.compute_threads import (
     release_compute_threads,
     worker_ids,
 )
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.models.loader import load_model
 

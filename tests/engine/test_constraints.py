@@ -115,7 +115,8 @@ def test_after_an_empty_completion_the_next_search_does_not_wait(smollm):
 def test_generate_follows_a_grammar_outside_the_servers_inference_mode(smollm):
     """LLMEngine used directly (not under the server's torch.inference_mode) on the default compute
     path: the grammar's mask changes the step's logits in place, which must not fail the sequence."""
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
 
     assert not torch.is_inference_mode_enabled()
@@ -129,7 +130,8 @@ def test_generate_follows_a_grammar_outside_the_servers_inference_mode(smollm):
 def test_a_steps_grammar_masks_are_timed_apart(smollm):
     """What a step spent on its grammars' masks is kept beside its forward pass (the slow-step log
     and the step observers name it): some for a step that masked, none for one that did not."""
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
 
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512))

@@ -10,7 +10,7 @@ import torch
 from tests.steps import advance, decode_items, prefill
 from wafer.engine.cuda_graph import GraphedDecode, buckets, length_buckets
 from wafer.engine.kv_cache import KVCache
-from wafer.engine.runner import ModelRunner
+from wafer.engine.model_runner import ModelRunner
 from wafer.models.loader import load_model
 
 PROMPTS = [[1, 5, 9, 13, 200, 7, 7, 42, 300, 12, 14, 15], [1, 88, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -70,7 +70,8 @@ def test_engine_on_cuda_gives_the_cpu_greedy_tokens(tmp_path):
     """The whole engine on the GPU (scheduler, chunked prefill, graph replay, host-side sampling) in
     float32, against the same engine on the CPU: float32 on both sides, so greedy tokens must agree."""
     from tests.tiny import make_hf_model
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
 
     path = str(make_hf_model(tmp_path, "llama", seed=5))
@@ -81,7 +82,7 @@ def test_engine_on_cuda_gives_the_cpu_greedy_tokens(tmp_path):
         engine = LLMEngine(loaded, EngineConfig(max_running=4, max_model_len=128, max_batched_tokens=8))
         assert (engine.runner.graphed is not None) == (device == "cuda")
         outputs[device] = [s.output_ids for s in engine.generate(PROMPTS, params)]
-        assert engine.kv.num_used == 0
+        assert engine.blocks.num_used == 0
     assert outputs["cuda"] == outputs["cpu"]
 
 
@@ -91,7 +92,8 @@ def test_fp8_kv_on_cuda_gives_the_cpu_fp8_greedy_tokens(tmp_path):
     included, against the same rows written and read on the CPU's Python path: float32 arithmetic on
     both sides around the same rounding, so greedy tokens agree."""
     from tests.tiny import make_hf_model
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
 
     path = str(make_hf_model(tmp_path, "llama", seed=5))

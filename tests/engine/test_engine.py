@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams
 
 QUESTIONS = [
@@ -51,7 +52,7 @@ def test_batch_of_eight_equals_each_alone(smollm, prompts):
     while not all(s.finished for s in seqs):
         batch.step()
     together = [s.output_ids for s in seqs]
-    assert batch.kv.num_used == 0
+    assert batch.kv.blocks.num_used == 0
     solo = fresh()
     alone = [solo.generate([p], params)[0].output_ids for p in prompts]
     assert together == alone
@@ -116,13 +117,13 @@ def test_logprobs_are_model_logprobs(engine, prompts, smollm):
     # Against a direct forward pass of the model.
     ids = torch.tensor(prompts[1])
     from wafer.engine.kv_cache import KVCache
-    from wafer.engine.runner import ModelRunner
+    from wafer.engine.model_runner import ModelRunner
     from wafer.engine.scheduler import ScheduledSeq
     from wafer.engine.sequence import Sequence
 
     kv = KVCache(smollm.config, 1, 256, dtype=engine.kv_dtype)  # the engine's KV, rounded alike
     seq = Sequence(ids.tolist(), SamplingParams())
-    seq.slot, _ = kv.allocate()
+    seq.slot, _ = kv.blocks.allocate()
     logits = ModelRunner(smollm.model, kv).run([ScheduledSeq(seq, 0, len(ids))])
     assert s.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()), abs=1e-4)
 
@@ -131,11 +132,11 @@ def test_abort_frees_slot(engine, prompts):
     seqs = [engine.add(p, SamplingParams(max_tokens=100, temperature=0)) for p in prompts[:4]]
     engine.step()
     engine.step()
-    assert engine.kv.num_used == 4
+    assert engine.blocks.num_used == 4
     for s in seqs:
         engine.abort(s.seq_id)
-    assert engine.kv.num_used == 0 and not engine.has_work
-    assert engine.kv.usage == 0.0
+    assert engine.blocks.num_used == 0 and not engine.has_work
+    assert engine.blocks.usage == 0.0
 
 
 def test_prompt_too_long_is_refused(engine):

@@ -4,8 +4,9 @@ recently freed first when the budget is short, and a running sequence shares its
 
 from __future__ import annotations
 
-from wafer.engine.engine import EngineConfig, LLMEngine, kv_dtype
-from wafer.engine.kv_cache import BLOCK, bytes_per_token
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
+from wafer.engine.kv_layout import BLOCK, bytes_per_token, kv_dtype
 from wafer.engine.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -44,7 +45,7 @@ def test_multi_turn_reuses_history_and_matches_uncached(smollm):
             first_prompt = ids
         previous = a.tokens[: len(a.tokens) - 1]
         history += [{"role": "assistant", "content": a.text}, {"role": "user", "content": "And another one?"}]
-    assert cached.kv.prefix_hit_rate > 0.5
+    assert cached.kv.blocks.prefix_hit_rate > 0.5
 
 
 def test_cached_blocks_are_evicted_least_recently_freed_first(smollm):
@@ -56,7 +57,7 @@ def test_cached_blocks_are_evicted_least_recently_freed_first(smollm):
     sy = roomy.generate([y], GREEDY)[0]  # shares the template's system prompt with x
     assert sy.num_cached_prompt == reusable(x, y) >= 16
     assert sy.output_ids == fresh.generate([y], GREEDY)[0].output_ids
-    assert roomy.kv.num_used == 0 and roomy.kv.usage == 0.0  # nothing held; both prefixes findable
+    assert roomy.kv.blocks.num_used == 0 and roomy.kv.blocks.usage == 0.0  # nothing held; both prefixes findable
     hit = roomy.generate([y], GREEDY)[0]
     assert hit.num_cached_prompt == reusable(sy.tokens[:-1], y) == (len(y) - 1) // BLOCK * BLOCK
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams
 
 
@@ -26,8 +27,8 @@ def test_a_long_prompt_is_read_in_steps_of_bounded_time(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
     # as if learned: 20 prompt tokens fit in the step's 20 ms on this machine's compute threads
-    engine.step_cost.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
-    engine._time_prefill = lambda scheduled, seconds: None  # and kept, whatever this machine's cost
+    engine.budget.costs.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
+    engine.budget.observe = lambda scheduled, seconds: None  # and kept, whatever this machine's cost
     counts = _prompt_tokens_per_step(engine, long_prompt)
     assert max(counts[:-1]) <= 20 and max(counts) <= 20, counts
 
@@ -41,8 +42,8 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
     request) for as long as it runs."""
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.02))
-    engine.step_cost.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
-    engine._time_prefill = lambda scheduled, seconds: None  # keep the cost as set, whatever this machine's
+    engine.budget.costs.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
+    engine.budget.observe = lambda scheduled, seconds: None  # keep the cost as set, whatever this machine's
     seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     counts = []
     while not seq.finished:
@@ -63,9 +64,9 @@ def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smoll
                                             prefix_caching=False, prefill_step_seconds=0.02))
     threads = torch.get_num_threads()
     for tokens, positions in [(10, 0), (10, 1000), (20, 5000)]:  # a = 1 ms, b = 0.01 ms, per core
-        engine.step_cost.observe(threads, tokens, positions, threads * (0.001 * tokens + 0.00001 * positions))
-    engine._time_prefill = lambda scheduled, seconds: None
-    cap, per_position = engine._prefill_cap()
+        engine.budget.costs.observe(threads, tokens, positions, threads * (0.001 * tokens + 0.00001 * positions))
+    engine.budget.observe = lambda scheduled, seconds: None
+    cap, per_position = engine.budget.cap()
     assert cap == 20 and abs(per_position - 0.01) < 1e-9
     seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     chunks = []
@@ -81,11 +82,11 @@ def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smoll
 
 def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.05))
-    assert engine._prefill_cap() == (None, 0.0)  # nothing measured yet: no cap
+    assert engine.budget.cap() == (None, 0.0)  # nothing measured yet: no cap
     engine.generate([list(range(100, 300))], SamplingParams(max_tokens=2, temperature=0))
-    a, b = engine.step_cost.coefficients(torch.get_num_threads())
+    a, b = engine.budget.costs.coefficients(torch.get_num_threads())
     assert 0 < a < 0.05 and b >= 0
-    assert engine._prefill_cap()[0] >= 8
+    assert engine.budget.cap()[0] >= 8
 
 
 def test_a_step_on_fewer_compute_threads_takes_a_smaller_chunk(smollm):
@@ -93,17 +94,17 @@ def test_a_step_on_fewer_compute_threads_takes_a_smaller_chunk(smollm):
     chunk shrinks with its threads, so that the step still takes about the time allowed; once steps
     on one thread have been timed, their own cost sizes their chunks."""
     engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, prefill_step_seconds=0.064))
-    engine.step_cost.observe(2, 1, 0, 0.002)
+    engine.budget.costs.observe(2, 1, 0, 0.002)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert engine._prefill_cap() == (64, 0.0)
+        assert engine.budget.cap() == (64, 0.0)
         torch.set_num_threads(1)
-        assert engine._prefill_cap() == (32, 0.0)
-        engine.step_cost.observe(1, 1, 0, 0.0016)  # on one thread a token costs fewer core-seconds
-        assert engine._prefill_cap() == (40, 0.0)
+        assert engine.budget.cap() == (32, 0.0)
+        engine.budget.costs.observe(1, 1, 0, 0.0016)  # on one thread a token costs fewer core-seconds
+        assert engine.budget.cap() == (40, 0.0)
         torch.set_num_threads(2)
-        assert engine._prefill_cap() == (64, 0.0)
+        assert engine.budget.cap() == (64, 0.0)
     finally:
         torch.set_num_threads(before)
 
@@ -111,8 +112,7 @@ def test_a_step_on_fewer_compute_threads_takes_a_smaller_chunk(smollm):
 def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
     """Eight sequences that need 40 blocks in all, over a budget of 12: later ones are preempted and
     computed again, and every output equals the sequence run alone with room to spare."""
-    from wafer.engine.engine import kv_dtype
-    from wafer.engine.kv_cache import BLOCK, bytes_per_token
+    from wafer.engine.kv_layout import BLOCK, bytes_per_token, kv_dtype
 
     prompts = [[1] + list(range(100 + 37 * i, 100 + 37 * i + 40)) for i in range(8)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -121,37 +121,37 @@ def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
 
     budget = 12 * BLOCK * bytes_per_token(smollm.config, kv_dtype("auto", smollm))
     engine = LLMEngine(smollm, EngineConfig(max_running=8, max_model_len=256, kv_cache_memory=budget))
-    assert engine.kv.num_blocks == 12 and engine.max_model_len == 12 * BLOCK
+    assert engine.blocks.num_blocks == 12 and engine.max_model_len == 12 * BLOCK
     seqs = [engine.add(p, params) for p in prompts]
     most = 0
     while engine.has_work:
         engine.step()
-        most = max(most, engine.kv.num_blocks - engine.kv.num_free_blocks)
+        most = max(most, engine.blocks.num_blocks - engine.blocks.num_free_blocks)
     assert [s.tokens for s in seqs] == want
     assert all(s.finish_reason == "length" for s in seqs)
     assert engine.scheduler.num_preemptions > 0
-    assert most <= 12 and engine.kv.num_used == 0 and engine.kv.usage == 0.0
+    assert most <= 12 and engine.blocks.num_used == 0 and engine.blocks.usage == 0.0
 
 
 def _small_scheduler(num_blocks: int = 32, max_len: int = 128):
-    """A scheduler over the KV cache of a one-layer model of no weights: four slots."""
-    from wafer.engine.kv_cache import KVCache
+    """A scheduler over the blocks of a one-layer model of no weights: four slots."""
+    from wafer.engine.block_manager import BlockManager
     from wafer.engine.scheduler import Scheduler
     from wafer.models.config import ModelConfig
 
     cfg = ModelConfig("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=4, max_position_embeddings=512)
-    kv = KVCache(cfg, num_slots=4, max_len=max_len, num_blocks=num_blocks)
-    return kv, Scheduler(kv, max_running=4, max_batched_tokens=256)
+    blocks = BlockManager(cfg, num_slots=4, max_len=max_len, num_blocks=num_blocks)
+    return blocks, Scheduler(blocks, max_running=4, max_batched_tokens=256)
 
 
 def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
     """With pipeline stages, a step is scheduled while others are in flight: their sequences (busy)
     are left out, and a step takes at most max_seqs sequences."""
-    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.kv_layout import BLOCK
     from wafer.engine.sequence import Sequence, Status
 
-    kv, sched = _small_scheduler(num_blocks=4, max_len=4 * BLOCK)  # a block each when all four run
+    blocks, sched = _small_scheduler(num_blocks=4, max_len=4 * BLOCK)  # a block each when all four run
     seqs = [Sequence(list(range(1, 10)), SamplingParams(max_tokens=40)) for _ in range(4)]
     for s in seqs:
         sched.add(s)
@@ -174,18 +174,18 @@ def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
     assert seqs[0] in [i.seq for i in out] and sched.preempted == [seqs[3]]
 
 
-def _computed(kv, out) -> None:
+def _computed(blocks, out) -> None:
     """What the engine does after a step: each scheduled sequence holds KV up to its chunk's end."""
     for item in out:
         item.seq.num_cached = item.start + item.count
-        kv.set_length(item.seq.slot, item.seq.num_cached)
+        blocks.set_length(item.seq.slot, item.seq.num_cached)
 
 
 def test_a_prompt_that_shares_blocks_being_computed_waits_a_step_and_reuses_them():
-    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.kv_layout import BLOCK
     from wafer.engine.sequence import Sequence
 
-    kv, sched = _small_scheduler()
+    blocks, sched = _small_scheduler()
     shared = [3] * (4 * BLOCK)
     a, b, c = (Sequence(shared + [10 + i] * 5, SamplingParams(max_tokens=4)) for i in range(3))
     other = Sequence([50] * (3 * BLOCK), SamplingParams(max_tokens=4))
@@ -194,7 +194,7 @@ def test_a_prompt_that_shares_blocks_being_computed_waits_a_step_and_reuses_them
     first = sched.schedule()
     assert [i.seq for i in first] == [a, other]  # b and c would compute a's four blocks again beside it
     assert list(sched.waiting) == [b, c]
-    _computed(kv, first)
+    _computed(blocks, first)
     second = sched.schedule()
     assert [i.seq for i in second] == [b, c]
     assert b.num_cached_prompt == c.num_cached_prompt == 4 * BLOCK
@@ -204,10 +204,10 @@ def test_a_prompt_that_shares_blocks_being_computed_waits_a_step_and_reuses_them
 def test_with_steps_in_flight_a_prompt_does_not_wait_for_shared_blocks():
     """Pipeline stages index a step's blocks only when it comes back, after the next step is
     scheduled: waiting would only delay the prompt."""
-    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.kv_layout import BLOCK
     from wafer.engine.sequence import Sequence
 
-    kv, sched = _small_scheduler()
+    blocks, sched = _small_scheduler()
     busy = Sequence([1] * 8, SamplingParams(max_tokens=4))
     sched.add(busy)
     sched.schedule()
@@ -218,7 +218,7 @@ def test_with_steps_in_flight_a_prompt_does_not_wait_for_shared_blocks():
 
 
 def test_exactly_the_threshold_of_shared_blocks_makes_a_prompt_wait():
-    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.kv_layout import BLOCK
     from wafer.engine.scheduler import SHARED_BLOCKS_TO_WAIT
     from wafer.engine.sequence import Sequence
 
@@ -228,7 +228,7 @@ def test_exactly_the_threshold_of_shared_blocks_makes_a_prompt_wait():
     # one block fewer.
     cases = {"b": ([3] * shared + [11], True), "c": ([3] * shared, False), "d": ([3] * (shared - BLOCK) + [12], False)}
     for name, (tokens, waits) in cases.items():
-        kv, sched = _small_scheduler()
+        blocks, sched = _small_scheduler()
         a = Sequence([3] * shared + [10], SamplingParams(max_tokens=4))
         other = Sequence(tokens, SamplingParams(max_tokens=4))
         sched.add(a)
@@ -237,10 +237,10 @@ def test_exactly_the_threshold_of_shared_blocks_makes_a_prompt_wait():
 
 
 def test_prompts_that_share_less_than_two_blocks_start_together():
-    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.kv_layout import BLOCK
     from wafer.engine.sequence import Sequence
 
-    kv, sched = _small_scheduler()
+    blocks, sched = _small_scheduler()
     shared = [3] * (BLOCK + 4)
     a, b = (Sequence(shared + [10 + i] * 20, SamplingParams(max_tokens=4)) for i in range(2))
     sched.add(a)
@@ -251,7 +251,7 @@ def test_prompts_that_share_less_than_two_blocks_start_together():
 def test_a_burst_with_one_system_prompt_computes_it_once(smollm):
     """Four requests with one long system prompt, arriving together, give what each gives alone,
     and the prompt's blocks are computed for the first only."""
-    from wafer.engine.kv_cache import BLOCK
+    from wafer.engine.kv_layout import BLOCK
 
     system = smollm.tokenizer.encode("You are a careful assistant who answers in one short sentence. " * 6)
     prompts = [system + smollm.tokenizer.encode(f" Question {i}: what is {i} plus {i}?") for i in range(4)]
@@ -261,5 +261,5 @@ def test_a_burst_with_one_system_prompt_computes_it_once(smollm):
     engine = LLMEngine(smollm, EngineConfig(max_running=4))
     together = [s.output_ids for s in engine.generate(prompts, params)]
     assert together == alone
-    hits = engine.kv.prefix_hit_tokens
+    hits = engine.blocks.prefix_hit_tokens
     assert hits >= 3 * (len(system) // BLOCK - 1) * BLOCK, (hits, len(system))

@@ -8,8 +8,9 @@ import threading
 import httpx
 import pytest
 
-from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.runner import ModelRunner
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
+from wafer.engine.model_runner import ModelRunner
 from wafer.engine.sampler import Sampler
 from wafer.engine.sequence import SamplingParams
 
@@ -64,7 +65,7 @@ def test_one_failing_sequence_does_not_fail_the_others(smollm, monkeypatch, faul
     assert [s.finish_reason for s in seqs] == ["length", "error", "length"]
     errors = [o for o in outputs if o.error is not None]
     assert [o.seq_id for o in errors] == [seqs[1].seq_id] and "RuntimeError" in errors[0].error
-    assert engine.kv.num_used == 0  # every slot back, the failed one's too
+    assert engine.blocks.num_used == 0  # every slot back, the failed one's too
     assert not engine.seqs  # the failed one released too
 
 

@@ -12,9 +12,9 @@ import torch
 from tests.models.test_quant import TOLERANCE_NATS
 from tests.steps import advance, decode_items, prefill
 from wafer.engine.kv_cache import KVCache
-from wafer.engine.runner import ModelRunner
-from wafer.models.fused_decode import FusedDecode
+from wafer.engine.model_runner import ModelRunner
 from wafer.kernels.build import load, runnable
+from wafer.models.fused_decode import FusedDecode
 from wafer.models.loader import load_model
 
 VARIANTS = [v.name for v in runnable()]
@@ -32,7 +32,7 @@ def decode_logits(loaded, prompts: list[list[int]], steps: int, variant: str,
     kv = KVCache(loaded.config, len(prompts), max_len, dtype=kv_dtype)
     runner = ModelRunner(loaded.model, kv)
     assert runner.fused is not None  # the active variant's
-    runner.fused = FusedDecode.build(loaded.model, kv.layers, kv.layer_group, load(variant))
+    runner.fused = FusedDecode.build(loaded.model, kv.layers, kv.blocks.layer_group, load(variant))
     seqs = prefill(runner, kv, prompts)
     out = []
     for _ in range(steps):
@@ -106,7 +106,7 @@ def test_fused_step_is_batch_invariant(smollm, variant):
                for q in ("What is 2+2?", "Name a colour.", "Say hello in French.", "Count to five.")]
     kv = KVCache(q4.config, len(prompts), 256)
     runner = ModelRunner(q4.model, kv)
-    runner.fused = FusedDecode.build(q4.model, kv.layers, kv.layer_group, load(variant))
+    runner.fused = FusedDecode.build(q4.model, kv.layers, kv.blocks.layer_group, load(variant))
     seqs = prefill(runner, kv, prompts)
     for _ in range(3):
         items = decode_items(seqs)
@@ -160,12 +160,12 @@ def test_a_token_gets_the_same_logits_in_a_run_of_its_sequence_as_alone(six_head
     loaded = six_heads_a_kv_head[arch]
     kv = KVCache(loaded.config, 2, 1100, dtype=kv_dtype)
     runner = ModelRunner(loaded.model, kv)
-    runner.fused = FusedDecode.build(loaded.model, kv.layers, kv.layer_group, load(variant))
+    runner.fused = FusedDecode.build(loaded.model, kv.layers, kv.blocks.layer_group, load(variant))
     g = torch.Generator().manual_seed(11)
     seq = Sequence([1] + torch.randint(3, 49152, (1050,), generator=g).tolist(), SamplingParams())
     other = Sequence([1, 88, 77, 5], SamplingParams())
-    seq.slot, _ = kv.allocate()
-    other.slot, _ = kv.allocate()
+    seq.slot, _ = kv.blocks.allocate()
+    other.slot, _ = kv.blocks.allocate()
     runner.run([ScheduledSeq(seq, 0, 600)])
     runner.run([ScheduledSeq(other, 0, 3)])
     for start, count in ((20, 9), (250, 12), (600, 9), (620, 30)):
@@ -182,10 +182,10 @@ def test_a_step_outside_the_caches_is_refused_before_it_computes():
     every call, since a wrong table or position would read or write outside the KV pools."""
     q4 = load_model(compute="q4")
     kv = KVCache(q4.config, 2, 64)
-    fused = FusedDecode.build(q4.model, kv.layers, kv.layer_group)
+    fused = FusedDecode.build(q4.model, kv.layers, kv.blocks.layer_group)
     assert fused is not None
     ids, pos, slots, rows = torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 1])
-    tables = torch.zeros(1, 2, kv.tables.shape[-1], dtype=torch.long)  # both slots on block 0
+    tables = torch.zeros(1, 2, kv.blocks.tables.shape[-1], dtype=torch.long)  # both slots on block 0
     assert fused(ids, pos, slots, tables, rows).shape == (2, q4.config.vocab_size)
     bad = tables.clone()
     bad[0, 1, 0] = kv.layers[0][0].shape[1]  # one past the pool's last block

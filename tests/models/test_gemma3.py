@@ -17,15 +17,18 @@ from bench.quality import corpus_ids, perplexity
 from tests.models.test_fused_decode import NATS, decode_logits
 from tests.steps import advance, decode_items
 from tests.tiny import hf_from_gguf
-from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.kv_cache import BLOCK, HOLE, KVCache, window_blocks
-from wafer.engine.runner import ModelRunner
+from wafer.engine.block_pool import HOLE
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_layout import BLOCK, window_blocks
+from wafer.engine.model_runner import ModelRunner
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence
+from wafer.kernels.build import runnable
 from wafer.models import catalog
 from wafer.models.fused_decode import FusedDecode
 from wafer.models.gemma3 import Gemma3Model
-from wafer.kernels.build import runnable
 from wafer.models.gguf_blocks import HEAD_BITS, K4, K6
 from wafer.models.loader import LoadedModel, load_model
 from wafer.models.quant import BlockLinear
@@ -216,7 +219,7 @@ def test_fused_step_matches_the_python_model(path, prompts, variant):
     round differently), but a path that computed something else, even slightly, would have none."""
     q8 = load_model(str(path), compute="auto")
     kv = KVCache(q8.config, 1, 16)
-    assert q8.compute == "q8" and FusedDecode.build(q8.model, kv.layers, kv.layer_group) is not None
+    assert q8.compute == "q8" and FusedDecode.build(q8.model, kv.layers, kv.blocks.layer_group) is not None
     chosen = [prompts[-1][:600], prompts[0]]  # 600: the long one's decode steps attend past the window
     close = []
     for fused, python in decode_logits(q8, chosen, 8, variant, max_len=640):
@@ -243,7 +246,7 @@ def test_prefix_cache_speculation_and_int8_kv_keep_the_greedy_output(q4, prompts
     """The default model's other engine paths on Gemma 3: a prompt that repeats a finished one's
     prefix references its blocks (across the 512-token window), n-gram speculation, and int8 KV
     (whose perplexity over twice the window stays within 0.5% of f32 KV's)."""
-    from wafer.engine.speculative import SpeculativeConfig
+    from wafer.engine.speculative.config import SpeculativeConfig
 
     long, short = prompts[-1], prompts[0]
     want = long_alone
@@ -267,18 +270,18 @@ def windowed_run(loaded: LoadedModel, prompt: list[int], windows: bool, chunk: i
     kv = KVCache(loaded.config, 1, 2048, max_step=chunk, window_pool=None if windows else 0)
     runner = ModelRunner(loaded.model, kv)
     seq = Sequence(list(prompt), SamplingParams())
-    seq.slot, _ = kv.allocate()
+    seq.slot, _ = kv.blocks.allocate()
     for start in range(0, len(prompt) - 1, chunk):
         n = min(chunk, len(prompt) - 1 - start)
         runner.run([ScheduledSeq(seq, start, n)])
-        kv.set_length(seq.slot, start + n)
+        kv.blocks.set_length(seq.slot, start + n)
     seq.num_cached = len(prompt) - 1
     logits = []
     for _ in range(steps):
         out = runner.run(decode_items([seq]))
         logits.append(out[0])
         advance([seq], out)
-        kv.set_length(seq.slot, seq.num_cached)
+        kv.blocks.set_length(seq.slot, seq.num_cached)
     return logits, kv
 
 
@@ -294,16 +297,16 @@ def test_windowed_layers_hold_their_window_only_and_the_logits_do_not_change(f32
     got, kv = windowed_run(loaded, prompt, windows=True)
     for a, b in zip(got, kept):
         assert torch.equal(a, b)
-    glob, windowed = kv.groups
-    assert windowed.window == 512 and kv.layer_group.count(1) == 15
-    assert windowed.num_blocks < kv.max_blocks  # the context could not fit without giving blocks back
+    glob, windowed = kv.blocks.groups
+    assert windowed.window == 512 and kv.blocks.layer_group.count(1) == 15
+    assert windowed.num_blocks < kv.blocks.max_blocks  # the context could not fit without giving blocks back
     n = len(prompt) + 5
-    held = [b for b in kv.blocks_of(0, 1) if b != HOLE]
-    assert len(held) == -(-n // BLOCK) - windowed.needed_from(n) and len(kv.blocks_of(0, 0)) == -(-n // BLOCK)
+    held = [b for b in kv.blocks.blocks_of(0, 1) if b != HOLE]
+    assert len(held) == -(-n // BLOCK) - windowed.needed_from(n) and len(kv.blocks.blocks_of(0, 0)) == -(-n // BLOCK)
     # At most: the global layers' every block, and the windowed layers' window and a chunk (0.60 of
     # the whole cache at this length; 32K tokens are the bench's).
     bound = -(-n // BLOCK) * glob.bytes_per_block + window_blocks(512, 128) * windowed.bytes_per_block
-    assert kv.peak_bytes <= bound < 0.65 * whole.peak_bytes, (kv.peak_bytes, bound, whole.peak_bytes)
+    assert kv.blocks.peak_bytes <= bound < 0.65 * whole.blocks.peak_bytes, (kv.blocks.peak_bytes, bound, whole.blocks.peak_bytes)
 
 
 def test_served_through_the_openai_sdk_past_the_window_and_from_the_prefix_cache(q4, prompts, long_alone):
@@ -318,7 +321,7 @@ def test_served_through_the_openai_sdk_past_the_window_and_from_the_prefix_cache
     try:
         # The engine sizes the windowed layers' pool for a window and a step (256 tokens) per slot.
         kv = server.engine.kv
-        assert kv.groups[1].num_blocks == 16 * window_blocks(512, 256) < 16 * kv.max_blocks
+        assert kv.blocks.groups[1].num_blocks == 16 * window_blocks(512, 256) < 16 * kv.blocks.max_blocks
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
         long = prompts[-1]
         want = q4.tokenizer.decode(long_alone)

@@ -8,7 +8,8 @@ import torch
 from gguf.quants import dequantize
 
 from tests.tiny import Q, gguf_reader, hf_from_gguf, hf_to_gguf, make_hf_model
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams
 from wafer.models.gguf_loader import permute_rope, unpermute_rope
 from wafer.models.loader import load_model

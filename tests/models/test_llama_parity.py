@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from tests.tiny import make_hf_model
-from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.kv_cache import BLOCK, KVCache
-from wafer.engine.runner import ModelRunner
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_layout import BLOCK
+from wafer.engine.model_runner import ModelRunner
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.models.loader import load_model
@@ -40,7 +42,7 @@ def wafer_logits(loaded, prompt: list[int], steps: int) -> list[torch.Tensor]:
     kv = KVCache(loaded.config, 2, 512)
     runner = ModelRunner(loaded.model, kv)
     seq = Sequence(list(prompt), SamplingParams())
-    seq.slot, _ = kv.allocate()
+    seq.slot, _ = kv.blocks.allocate()
     out = [runner.run([ScheduledSeq(seq, 0, len(prompt))], all_logits=True)]
     for _ in range(steps):
         seq.tokens.append(int(out[-1][-1].argmax()))

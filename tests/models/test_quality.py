@@ -79,7 +79,7 @@ def f32_kv(smollm) -> tuple[list[int], float]:
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "bf16"])
 def test_low_precision_kv_perplexity_within_half_a_percent_of_f32_kv(smollm, f32_kv, kv_dtype):
-    from wafer.engine.kv_cache import KV_DTYPES
+    from wafer.engine.kv_layout import KV_DTYPES
 
     ids, exact = f32_kv
     assert len(ids) == 2048
@@ -107,7 +107,7 @@ def test_fp8_kv_perplexity_within_one_percent_of_f32_kv(smollm_f32):
 
 
 def test_fp8_kv_is_refused_where_the_fused_step_would_read_it(smollm):
-    from wafer.engine.engine import kv_dtype
+    from wafer.engine.kv_layout import kv_dtype
 
     assert smollm.compute in ("q4", "q8")
     with pytest.raises(ValueError, match="fp8 runs on CUDA and on the CPU's f32 and int8 paths"):

@@ -11,7 +11,7 @@ from torch import nn
 
 from tests.steps import decode_items, prefill
 from wafer.engine.kv_cache import KVCache
-from wafer.engine.runner import ModelRunner
+from wafer.engine.model_runner import ModelRunner
 from wafer.errors import ModelLoadError
 from wafer.kernels.build import kernels
 from wafer.models.loader import load_model

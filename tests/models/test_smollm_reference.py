@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams
 
 CHATS = [

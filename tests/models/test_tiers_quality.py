@@ -19,7 +19,8 @@ import torch
 
 from bench.quality import corpus_ids, perplexity
 from tests.tiny import hf_from_gguf
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams
 from wafer.models import catalog
 from wafer.models.loader import load_model

@@ -87,7 +87,7 @@ def test_cli_refuses_bad_config_and_over_budget(tmp_path, capsys):
 
 
 def test_draft_model_from_the_same_file_shares_its_weights(tmp_path, tiny_dir):
-    from wafer.engine.speculative import DraftModelProposer
+    from wafer.engine.speculative.draft_model import DraftModelProposer
     from wafer.server.main import load_models
 
     cfg = load_config(write(tmp_path, f"""
@@ -107,8 +107,8 @@ luna = "small"
     assert cfg.models["small"].speculative == "ngram"  # the CLI's value is the default
     served = {m.names[0]: m for m in load_models(cfg, quiet=True)}
     small, big = served["small"].engine.engine, served["big"].engine.engine
-    assert isinstance(big.proposer, DraftModelProposer) and big.config.speculative.num_tokens == 3
-    assert big.proposer.model is small.loaded.model  # luna's weights, not a second copy
+    assert isinstance(big.speculator.proposer, DraftModelProposer) and big.config.speculative.num_tokens == 3
+    assert big.speculator.proposer.model is small.loaded.model  # luna's weights, not a second copy
 
 
 def test_prices_by_the_model_name_a_completion_carries(tmp_path):

@@ -37,7 +37,7 @@ def _steps_after_closing(server, streamed: bool, clients: int = 12) -> int:
         s.close()
     closed_at = engine.stats.steps
     server.wait_idle()
-    assert engine.num_running == 0 and engine.kv.num_used == 0
+    assert engine.num_running == 0 and engine.blocks.num_used == 0
     return engine.stats.steps - closed_at
 
 

@@ -48,7 +48,7 @@ def test_twenty_streaming_clients_drop(server):
     engine = server.engine
     # 1500 tokens each would take minutes; aborted, everything is free almost at once.
     assert wait_for(lambda: engine.num_running == 0 and engine.num_waiting == 0 and server.served.engine.idle)
-    assert engine.kv.num_used == 0 and engine.kv.usage == 0.0
+    assert engine.blocks.num_used == 0 and engine.blocks.usage == 0.0
     assert engine.seqs == {}
 
 
@@ -68,12 +68,12 @@ def test_non_streaming_client_drops(server):
     try:
         assert wait_for(lambda: (s := ours()) is not None and len(s.output_ids) >= 8, 60), "it never generated"
         seq = ours()
-        assert engine.kv.num_used > 0  # its KV is held while it runs
+        assert engine.blocks.num_used > 0  # its KV is held while it runs
     finally:
         sock.close()  # the client goes away without reading an answer
     assert wait_for(lambda: seq.finished and server.served.engine.idle, 10)
     assert seq.finish_reason == "abort" and len(seq.output_ids) < LONG["max_tokens"], (seq.finish_reason,
                                                                                          len(seq.output_ids))
-    assert seq.seq_id not in engine.seqs and engine.kv.num_used == 0
+    assert seq.seq_id not in engine.seqs and engine.blocks.num_used == 0
     ok = httpx.post(server.base_url + "/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200

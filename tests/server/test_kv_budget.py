@@ -9,8 +9,7 @@ import httpx
 import pytest
 
 from tests.serving import MODEL, start_server
-from wafer.engine.engine import kv_dtype
-from wafer.engine.kv_cache import BLOCK, bytes_per_token
+from wafer.engine.kv_layout import BLOCK, bytes_per_token, kv_dtype
 
 QUESTIONS = ["Name a colour.", "Name a fruit.", "Name a river.", "Name a planet.", "Name a tree.", "Name a bird."]
 
@@ -48,6 +47,6 @@ def test_requests_beyond_the_kv_budget_all_finish_as_alone(tight, server):
     assert metric(text, "wafer:num_preemptions_total") > 0
     assert metric(text, "wafer:kv_cache_usage_perc") == 0.0
     assert 'wafer:num_requests_waiting{model_name="' + MODEL + '"}' in text
-    assert tight.engine.kv.num_used == 0 and tight.engine.kv.num_blocks == 10
+    assert tight.engine.blocks.num_used == 0 and tight.engine.blocks.num_blocks == 10
     # Every block has been written (more tokens than the budget went through), and stays counted.
     assert metric(text, "wafer:kv_cache_written_bytes") == metric(text, "wafer:kv_cache_capacity_bytes") > 0

@@ -126,7 +126,7 @@ def test_engine_failure_is_500_and_server_stays_up(faulty, caplog):
     assert any(rid in rec.getMessage() for rec in caplog.records)
     state["fail"] = False
     assert httpx.post(s.base_url + "/v1/chat/completions", json=BODY, timeout=60).status_code == 200
-    assert s.engine.kv.num_used == 0
+    assert s.engine.blocks.num_used == 0
 
 
 def test_failure_mid_stream_is_an_error_event(faulty):

@@ -20,7 +20,7 @@ def test_multi_turn_replay_reuses_the_history(smollm, uncached_server):
     cached_server = start_server(smollm, max_running=2)
     try:
         cached = replay(cached_server.base_url + "/v1", MODEL, turns=5, max_tokens=16)
-        assert cached_server.engine.kv.prefix_hit_rate > 0.5
+        assert cached_server.engine.blocks.prefix_hit_rate > 0.5
     finally:
         cached_server.stop()
     plain = replay(uncached_server.base_url + "/v1", MODEL, turns=5, max_tokens=16)

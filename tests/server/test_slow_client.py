@@ -35,7 +35,7 @@ def test_a_client_that_does_not_read_delays_no_other(server, client):
                                                 extra_body={"ignore_eos": True})
         assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 30
         server.wait_idle(120)  # the slow client's 120 tokens were all generated: nothing waited on its socket
-        assert engine.num_running == 0 and engine.kv.num_used == 0
+        assert engine.num_running == 0 and engine.blocks.num_used == 0
         # Now it reads: every event is there, in order, ending with [DONE].
         slow.settimeout(30)
         raw = b""

@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from tests.server.test_metrics import scrape
 from tests.serving import MODEL, start_server
-from wafer.engine.speculative import SpeculativeConfig
+from wafer.engine.speculative.config import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")

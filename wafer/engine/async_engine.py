@@ -30,8 +30,9 @@ from typing import Any
 from wafer.engine import defaults
 from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads, binding_wanted
 from wafer.engine.constraints import GrammarMatcher
-from wafer.engine.engine import EngineSnapshot, LLMEngine
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
+from wafer.engine.stats import EngineSnapshot
 
 log = logging.getLogger("wafer.engine")
 

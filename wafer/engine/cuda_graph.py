@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from wafer.engine.kv_cache import BLOCK, KVCache
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_layout import BLOCK
 from wafer.models.attention import AttentionBatch
 from wafer.models.llama import LlamaModel
 
@@ -44,14 +45,15 @@ class GraphedDecode:
         self.model = model
         self.kv = kv
         self.caches = kv.layers
-        self.max_len = kv.max_len
-        device = kv.layers[0][0].device
+        self.max_len = kv.blocks.max_len
+        device = kv.device
         self.max_batch = max_batch
         self.sizes = buckets(max_batch)
         self.lengths = length_buckets(self.max_len, min_length)
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.tables = torch.zeros(kv.tables.shape[0], max_batch, kv.max_blocks, dtype=torch.long, device=device)
+        self.tables = torch.zeros(kv.blocks.tables.shape[0], max_batch, kv.blocks.max_blocks, dtype=torch.long,
+                                  device=device)
         self.capture = device.type == "cuda" if capture is None else capture
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -60,7 +62,7 @@ class GraphedDecode:
 
     def _forward(self, n: int, length: int) -> torch.Tensor:
         batch = AttentionBatch.static_decode(self.tables[:, :n, : -(-length // BLOCK)], self.positions[:n], BLOCK,
-                                             self.kv.window_group)
+                                             self.kv.blocks.window_group)
         return self.model(self.ids[:n], self.positions[:n], batch, self.caches)
 
     def _capture_all(self) -> None:
@@ -89,7 +91,7 @@ class GraphedDecode:
         pad = shape[0] - n  # rows repeating the first token: same key and value, same place
         for buf, values in ((self.ids, ids), (self.positions, positions)):
             buf[: shape[0]].copy_(torch.tensor(values + values[:1] * pad, dtype=torch.long), non_blocking=True)
-        self.tables[:, : shape[0]].copy_(self.kv.tables[:, slots + slots[:1] * pad], non_blocking=True)
+        self.tables[:, : shape[0]].copy_(self.kv.blocks.tables[:, slots + slots[:1] * pad], non_blocking=True)
         if not self.capture:
             return self._forward(*shape)[:n]
         self.graphs[shape].replay()

@@ -12,7 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from wafer.engine.kv_cache import BLOCK, KVCache
+from wafer.engine.block_manager import BlockManager
+from wafer.engine.kv_layout import BLOCK
 from wafer.engine.sequence import Sequence, Status
 from wafer.engine.step_cost import positions_of, tokens_within
 
@@ -30,6 +31,12 @@ class ScheduledSeq:
     draft: list[int] = field(default_factory=list)
     draft_probs: object = None  # [len(draft), vocab] tensor the draft was sampled from, or None
     rows: int = 1  # logits rows wanted, from the end of this step's tokens (1 + len(draft) to verify)
+
+    @property
+    def slot(self) -> int:
+        """The sequence's KV slot: a scheduled sequence holds one."""
+        assert self.seq.slot is not None, "a scheduled sequence holds a slot"
+        return self.seq.slot
 
     @property
     def samples(self) -> bool:
@@ -66,10 +73,11 @@ def _computed_beside(seq: Sequence, scheduled: list[ScheduledSeq]) -> bool:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_running: int, max_batched_tokens: int, prefix_caching: bool = True) -> None:
-        self.kv = kv
+    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
+                 prefix_caching: bool = True) -> None:
+        self.blocks = blocks
         self.prefix_caching = prefix_caching
-        self.max_running = min(max_running, kv.num_slots)
+        self.max_running = min(max_running, blocks.num_slots)
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -111,7 +119,7 @@ class Scheduler:
                 break
             if len(seq.tokens) - seq.num_cached == 1:
                 if self._make_room(seq, seq.num_cached + 1, out, busy):
-                    self.kv.reserve(seq.slot, seq.num_cached + 1)  # type: ignore[arg-type]
+                    self.blocks.reserve(seq.slot, seq.num_cached + 1)  # type: ignore[arg-type]
                     out.append(ScheduledSeq(seq, seq.num_cached, 1))
                     budget -= 1
             else:
@@ -133,7 +141,7 @@ class Scheduler:
                 continue
             n = self._chunk(seq, min(budget, within(seq.num_cached)), out, busy)
             if n:
-                self.kv.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
+                self.blocks.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
                 out.append(ScheduledSeq(seq, seq.num_cached, n))
                 spend(seq.num_cached, n)
         # With steps in flight (pipeline stages) the blocks a step computes are indexed only when it
@@ -141,18 +149,18 @@ class Scheduler:
         wait_for_shared = self.prefix_caching and not busy
         held: list[Sequence] = []  # waiting a step for blocks computed in this one; the rest go on
         while (self.waiting and budget > 0 and work > 0 and len(out) < room
-               and len(self.running) < self.max_running and self.kv.num_free):
+               and len(self.running) < self.max_running and self.blocks.num_free):
             seq = self.waiting[0]
             if wait_for_shared and _computed_beside(seq, out):
                 held.append(self.waiting.popleft())
                 continue
-            slot, reused = self.kv.allocate(seq.tokens if self.prefix_caching else None)
-            n = min(len(seq.tokens) - reused, budget, within(reused), self.kv.room(slot, len(seq.tokens)) - reused)
+            slot, reused = self.blocks.allocate(seq.tokens if self.prefix_caching else None)
+            n = min(len(seq.tokens) - reused, budget, within(reused), self.blocks.room(slot, len(seq.tokens)) - reused)
             if n <= 0:  # not a block free for it: it waits for a sequence to end
-                self.kv.free(slot)
+                self.blocks.free(slot)
                 break
             self.waiting.popleft()
-            self.kv.reserve(slot, reused + n)
+            self.blocks.reserve(slot, reused + n)
             seq.slot, seq.num_cached = slot, reused
             if seq.first_scheduled_time is None:  # (a preempted sequence keeps its first admission)
                 seq.num_cached_prompt = reused
@@ -169,7 +177,7 @@ class Scheduler:
         """Blocks for `seq`'s first n tokens, preempting sequences admitted after it (and not
         already in this step) as needed. False when none is left to preempt: then `seq` itself is
         preempted if it is the last admitted and not alone, so that the others can go on."""
-        while self.kv.room(seq.slot, n) < n:  # type: ignore[arg-type]
+        while self.blocks.room(seq.slot, n) < n:  # type: ignore[arg-type]
             victim = self.running[-1]
             if victim is seq:
                 if len(self.running) > 1:
@@ -186,7 +194,7 @@ class Scheduler:
         blocks it can get (preempting later sequences only when it could not advance at all)."""
         start = seq.num_cached
         n = min(len(seq.tokens) - start, budget)
-        fit = self.kv.room(seq.slot, start + n) - start  # type: ignore[arg-type]
+        fit = self.blocks.room(seq.slot, start + n) - start  # type: ignore[arg-type]
         if fit > 0:
             return min(n, fit)
         return min(n, BLOCK) if self._make_room(seq, start + min(n, BLOCK), scheduled, busy) else 0
@@ -194,7 +202,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Stop a running sequence and free its blocks; it will be computed again from its tokens."""
         self.running.remove(seq)
-        self.kv.free(seq.slot)  # type: ignore[arg-type]
+        self.blocks.free(seq.slot)  # type: ignore[arg-type]
         seq.slot, seq.num_cached = None, 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -210,5 +218,5 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.slot is not None:
             # Its full blocks stay findable as a cached prefix until their storage is needed.
-            self.kv.free(seq.slot)
+            self.blocks.free(seq.slot)
             seq.slot = None

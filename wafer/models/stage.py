@@ -1,8 +1,8 @@
 """A pipeline stage's share of a model: a contiguous range of its layers, the embedding on the first
-stage and the final norm and head on the last (engine/pipeline.py runs the stages).
+stage and the final norm and head on the last (engine/pipeline/ runs the stages).
 
 The ranges are balanced by what a decode step costs in each layer and in the head, which the engine
-measures where wafer's fused step runs (engine/pipeline.py: measured_costs), and otherwise estimates
+measures where wafer's fused step runs (engine/pipeline/costs.py: measured_costs), and otherwise estimates
 by the bytes of weights each reads. The head matters: for a small model with a large vocabulary it
 weighs as much as several layers (SmolLM2-135M's is 28M of its 135M parameters).
 """

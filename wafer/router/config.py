@@ -52,19 +52,18 @@
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
-from wafer.engine.speculative import SpeculativeConfig
+from wafer.engine.speculative.config import SpeculativeConfig
+from wafer.errors import WaferError
 from wafer.models.generation_defaults import check as check_sampling
 from wafer.models.quant import PATHS
-from wafer.errors import WaferError
 
 TIERS = ("sol", "terra", "luna")
 ROUTER_NAMES = ("auto", "gpt-5.6")

@@ -10,7 +10,6 @@ import gc
 import hashlib
 import logging
 import os
-from typing import Any
 import signal
 import sys
 import threading
@@ -18,14 +17,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from wafer import __version__
 from wafer.engine import defaults
 from wafer.engine.async_engine import AsyncEngine, run_engines
-from wafer.engine.engine import EngineConfig, LLMEngine
-from wafer.engine.speculative import SpeculativeConfig
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
+from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
 from wafer.router.config import (

@@ -10,9 +10,15 @@ import textwrap
 import pytest
 import torch
 
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams
-from wafer.engine.speculative import DraftLength, NgramProposer, SpeculativeConfig, SpecStats, rejection_sample
+from wafer.engine.speculative.config import SpeculativeConfig
+from wafer.engine.speculative.draft_length import DraftLength
+from wafer.engine.speculative.ngram import NgramProposer
+from wafer.engine.speculative.speculator import lookup_on_request
+from wafer.engine.speculative.stats import SpecStats
+from wafer.engine.speculative.verification import rejection_sample
 from wafer.models.loader import load_model
 
 
@@ -110,7 +116,7 @@ def test_draft_length_learns_apart_after_kept_and_after_cut_drafts() -> None:
 def test_the_engine_gives_the_draft_length_the_last_steps_outcome(smollm, prompts) -> None:
     """choose() hears whether the step before kept every draft whole, record() the same context."""
     spec = engine(smollm, SpeculativeConfig(method="ngram", num_tokens=4, adaptive=True))
-    lengths = spec.draft_length
+    lengths = spec.speculator.draft_length
     assert lengths is not None
     # Drafts of 4 look best at first in both contexts, so that some are kept in part.
     lengths.by_context.update({(1, False): {4: 1e9}, (1, True): {4: 1e9}})
@@ -142,7 +148,7 @@ def test_adaptive_ngram_greedy_equals_plain_and_learns_from_decode_steps_alone(s
     plain = engine(smollm).generate(prompts, sp)
     spec = engine(smollm, SpeculativeConfig(method="ngram", num_tokens=8, adaptive=True))
     recorded = []
-    lengths = spec.draft_length
+    lengths = spec.speculator.draft_length
     assert lengths is not None
     record = lengths.record
     lengths.record = lambda k, tokens, seconds, batch=1, kept=False: (  # type: ignore[method-assign]
@@ -164,19 +170,19 @@ def test_adaptive_draft_model_greedy_equals_plain(tiny_pair) -> None:
     prompts = [[1, 3, 4, 5], [1, 9, 9, 8, 7, 6, 5, 4]]
     plain = engine(target).generate(prompts, sp)
     spec = engine(target, SpeculativeConfig(method="draft", num_tokens=4, draft_model="d", adaptive=True), draft=draft)
-    spec.draft_length.by_context[(1, False)] = {0: 1e9}  # type: ignore[union-attr]  # plain decoding looks best at first
+    spec.speculator.draft_length.by_context[(1, False)] = {0: 1e9}  # type: ignore[union-attr]  # plain decoding looks best at first
     fed = []
-    run = spec.proposer.runner.run
-    spec.proposer.runner.run = lambda items, *a, **kw: (fed.append([i.count for i in items]), run(items, *a, **kw))[1]
+    run = spec.speculator.proposer.runner.run
+    spec.speculator.proposer.runner.run = lambda items, *a, **kw: (fed.append([i.count for i in items]), run(items, *a, **kw))[1]
     out = [spec.generate([p], sp)[0] for p in prompts]
     assert [s.output_ids for s in out] == [s.output_ids for s in plain]
     assert spec.stats.spec.draft_tokens > 0
     # After plain steps the draft catches up in a call of its own, then proposes from one token.
     catch_ups = [i for i, f in enumerate(fed) if f[0] >= 2 and i + 1 < len(fed) and fed[i + 1] == [1]]
     assert catch_ups
-    chosen = spec.draft_length.chosen  # type: ignore[union-attr]
+    chosen = spec.speculator.draft_length.chosen  # type: ignore[union-attr]
     assert chosen[0] > 0 and sum(n for k, n in chosen.items() if k > 0) > 0  # both kinds of step ran
-    assert 1 in spec.draft_length.yields(1)  # type: ignore[union-attr]  # a length explored after plain steps is measured
+    assert 1 in spec.speculator.draft_length.yields(1)  # type: ignore[union-attr]  # a length explored after plain steps is measured
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
@@ -234,13 +240,16 @@ def test_prompt_lookup_asked_for_by_a_request_where_the_engine_does_not_speculat
     assert plain.stats.spec.drafts == 0  # none asked: nothing proposed
     e = engine(smollm)
     proposed_for: set[int] = set()
-    propose = e.proposer.propose  # type: ignore[union-attr]
-    e.proposer.propose = lambda seqs, limits: (proposed_for.update(s.seq_id for s in seqs), propose(seqs, limits))[1]  # type: ignore[union-attr]
+    proposer = e.speculator.proposer
+    assert proposer is not None
+    propose = proposer.propose
+    proposer.propose = lambda seqs, limits: (proposed_for.update(s.seq_id for s in seqs), propose(seqs, limits))[1]  # type: ignore[method-assign]
     params = [dataclasses.replace(sp, prompt_lookup=True), sp, sp]
     got = e.generate(prompts, params)
     assert [s.output_ids for s in got] == [s.output_ids for s in want]
     assert proposed_for == {got[0].seq_id}
-    assert e.stats.spec.accepted_tokens > 0 and e.draft_length is not None and sum(e.draft_length.chosen.values()) > 0
+    lengths = e.speculator.draft_length
+    assert e.stats.spec.accepted_tokens > 0 and lengths is not None and sum(lengths.chosen.values()) > 0
 
 
 def test_prompt_work_leaves_room_for_the_drafts_a_step_may_verify(smollm, prompts) -> None:
@@ -248,7 +257,7 @@ def test_prompt_work_leaves_room_for_the_drafts_a_step_may_verify(smollm, prompt
     to a time budget (every stream waits that long): the prompt work shrinks by K rows, each at its
     position, for each decoder that may draft; by nothing for one that did not ask."""
     e = engine(smollm)
-    e._prefill_cap = lambda: (400, 0.01)  # as if the step cost had been measured
+    e.budget.cap = lambda: (400, 0.01)  # as if the step cost had been measured
     seen: list[tuple[int | None, int | None]] = []
     schedule = e.scheduler.schedule
     plain = e.add(prompts[1], SamplingParams(max_tokens=12, temperature=0))
@@ -272,9 +281,9 @@ def test_prompt_lookup_is_not_offered_through_pipeline_stages(smollm) -> None:
     # Stages size their buffers without drafts; the request's wish is an optimisation, so it is
     # ignored there rather than refused. (The stages are not started: the check comes first.)
     cfg = EngineConfig(max_running=2, max_model_len=256, pipeline_parallel=2)
-    assert LLMEngine._lookup_on_request(cfg) is False
-    assert LLMEngine._lookup_on_request(EngineConfig()) is True
-    assert LLMEngine._lookup_on_request(EngineConfig(speculative=SpeculativeConfig.parse("ngram", 3))) is False
+    assert lookup_on_request(cfg.speculative, cfg.pipeline_parallel) is False
+    assert lookup_on_request(SpeculativeConfig(), 1) is True
+    assert lookup_on_request(SpeculativeConfig.parse("ngram", 3), 1) is False
 
 
 def test_ngram_greedy_with_penalties_stop_strings_and_logprobs(smollm, prompts) -> None:
@@ -320,14 +329,14 @@ def test_the_draft_computes_the_prompt_with_the_target_chunk_by_chunk(smollm, pr
     so the first proposal feeds it one token rather than the whole prompt."""
     spec = engine(smollm, "draft:self", k=4, draft=smollm, max_batched_tokens=64)
     fed = []
-    run = spec.proposer.runner.run
-    spec.proposer.runner.run = lambda items, *a, **kw: (fed.append([i.count for i in items]), run(items, *a, **kw))[1]
+    run = spec.speculator.proposer.runner.run
+    spec.speculator.proposer.runner.run = lambda items, *a, **kw: (fed.append([i.count for i in items]), run(items, *a, **kw))[1]
     seq = spec.add(prompts[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     n = len(prompts[0])
     assert n > 128 and n % 64 > 1  # a last chunk of one token would be decoded, not prefilled
     while not seq.output_ids:  # the prompt's steps: 64-token chunks, the draft following each
         spec.step()
-    assert spec.proposer.cached[seq.seq_id] == n
+    assert spec.speculator.proposer.cached[seq.seq_id] == n
     assert fed == [[64]] * (n // 64) + ([[n % 64]] if n % 64 else [])
     fed.clear()
     spec.step()  # the first proposal: the target's first token, then one token a draft step

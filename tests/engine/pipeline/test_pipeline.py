@@ -1,4 +1,4 @@
-"""Pipeline stages (engine/pipeline.py): greedy outputs through 2 and 3 stage processes equal one
+"""Pipeline stages (engine/pipeline/): greedy outputs through 2 and 3 stage processes equal one
 process's, token for token, on the float32 path and the default (fused q8) path, for concurrent
 requests of mixed lengths, with prefix caching, speculation and aborts; a stage killed mid-step
 fails the running requests and the stages come back."""
@@ -14,9 +14,10 @@ import time
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from wafer.engine.engine import EngineConfig, LLMEngine
+from wafer.engine.config import EngineConfig
+from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams
-from wafer.engine.speculative import SpeculativeConfig
+from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.models.loader import load_model
 from wafer.models.stage import split_layers
 
@@ -60,7 +61,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], abort_after: int | No
         if steps == abort_after:
             engine.abort(seqs[1].seq_id)
         engine.step()
-    while engine._in_flight:  # what is still in flight for an aborted sequence drains
+    while engine.executor.in_flight:  # what is still in flight for an aborted sequence drains
         engine.step()
     return [s.tokens[s.num_prompt:] for s in seqs], seqs
 
@@ -101,10 +102,10 @@ def test_pipeline_outputs_equal_one_process(tiny_gguf, compute):
             got, seqs = _generate(engine, prompts)
             assert got == want, f"{pp} stages on {compute}"
             assert len(seqs[0].logprobs) == len(got[0]) and all(len(lp.top) == 2 for lp in seqs[0].logprobs)
-            hits = engine.kv.prefix_hit_tokens
+            hits = engine.blocks.prefix_hit_tokens
             got, seqs = _generate(engine, prompts[:3])
             assert got == want[:3]
-            assert engine.kv.prefix_hit_tokens > hits and all(s.num_cached_prompt > 0 for s in seqs)
+            assert engine.blocks.prefix_hit_tokens > hits and all(s.num_cached_prompt > 0 for s in seqs)
             assert engine.stats.max_batch_size < len(prompts)  # the batch was shared among steps in flight
         finally:
             engine.close()
@@ -129,7 +130,7 @@ def test_pipeline_speculation_and_abort():
         got, seqs = _generate(engine, prompts, abort_after=3)
         assert seqs[1].finish_reason == "abort"
         assert got[0] == want[0] and got[2] == want[2]
-        assert engine.kv.usage == 0 and not engine.scheduler.running
+        assert engine.blocks.usage == 0 and not engine.scheduler.running
     finally:
         engine.close()
 
@@ -203,7 +204,7 @@ def test_a_step_that_raises_on_a_stage_fails_only_its_sequence(tiny_gguf):
 
     rng = random.Random(5)
     # Two blocks each, in slots 0 to 3: each slot's blocks start at its home in the pool (slot x
-    # home_stride, kv_cache.py), so a stage-1 pool of 3 strides holds all but the last sequence's.
+    # home_stride, block_pool.py), so a stage-1 pool of 3 strides holds all but the last sequence's.
     prompts = [[rng.randrange(3, 49000) for _ in range(20)] for _ in range(4)]
     single = _engine(tiny_gguf, "auto", 1, prefix_caching=False)
     want, _ = _generate(single, prompts)
@@ -211,13 +212,13 @@ def test_a_step_that_raises_on_a_stage_fails_only_its_sequence(tiny_gguf):
     pipe = engine.pipeline
     try:
         pipe.close()
-        stride = engine.kv.groups[0].home_stride
+        stride = engine.blocks.groups[0].home_stride
         assert stride >= 2
         pipe.spec = dataclasses.replace(pipe.spec, num_blocks=3 * stride)
         pipe.start()
         seqs = [engine.add(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts]
         outputs = []
-        while engine.has_work or engine._in_flight:
+        while engine.has_work or engine.executor.in_flight:
             outputs += engine.step()
         for seq, tokens in zip(seqs[:3], want):
             assert seq.finish_reason == "length" and seq.tokens[seq.num_prompt:] == tokens[:8]

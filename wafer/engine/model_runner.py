@@ -2,7 +2,7 @@
 
 A step is prepared (the scheduled sequences become a StepBatch of plain tensors: the tokens, their
 positions and cache blocks, the rows whose logits are wanted) and then executed on the model. A
-pipeline stage (pipeline.py) executes the same StepBatch on its own layers.
+pipeline stage (the pipeline package) executes the same StepBatch on its own layers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from wafer.engine.cuda_graph import GraphedDecode
-from wafer.engine.kv_cache import BLOCK, KVCache
+from wafer.engine.kv_cache import KVCache
+from wafer.engine.kv_layout import BLOCK
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.models.attention import (
     AttentionBatch,
@@ -49,15 +50,15 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.windows = set(model.config.windows)
-        self.device = kv.layers[0][0].device
+        self.device = kv.device
         # A pipeline stage runs its own layers on the pools of those layers.
         first, _, _ = getattr(model, "stage", (0, 0, 0))
         self.caches = kv.layers[first : first + len(model.layers)]
         # One C++ call per step where the compute path allows it (q4 and q8 on wafer's kernels).
-        self.fused = (FusedDecode.build(model, self.caches, kv.layer_group[first : first + len(model.layers)])
+        self.fused = (FusedDecode.build(model, self.caches, kv.blocks.layer_group[first : first + len(model.layers)])
                       if self.device.type == "cpu" else None)
         # On a GPU, decode steps of up to 64 sequences replay CUDA graphs.
-        self.graphed = (GraphedDecode(model, kv, min(kv.num_slots, 64))
+        self.graphed = (GraphedDecode(model, kv, min(kv.blocks.num_slots, 64))
                         if cuda_graphs and self.device.type == "cuda" else None)
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
@@ -68,16 +69,16 @@ class ModelRunner:
         if (self.graphed is not None and not all_logits and len(scheduled) <= self.graphed.max_batch
                 and all(s.count == 1 and s.samples for s in scheduled)):
             for item in scheduled:
-                self.kv.reserve(item.seq.slot, item.start + item.count)  # type: ignore[arg-type]
+                self.kv.blocks.reserve(item.slot, item.start + item.count)
             logits = self.graphed([s.input_ids()[0] for s in scheduled], [s.start for s in scheduled],
-                                  [s.seq.slot for s in scheduled])  # type: ignore[misc]
+                                  [s.slot for s in scheduled])
             return logits.cpu()  # sampling and detokenising stay on the host
         return self.execute(self.prepare(scheduled, all_logits))
 
     def prepare(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
         """The step as plain tensors, its KV blocks taken (the scheduler has made room)."""
         for item in scheduled:
-            self.kv.reserve(item.seq.slot, item.start + item.count)  # type: ignore[arg-type]
+            self.kv.blocks.reserve(item.slot, item.start + item.count)
         if self.fused is not None:
             return self._prepare_fused(scheduled, all_logits)
         singles = [s for s in scheduled if s.count == 1]
@@ -87,7 +88,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillChunk] = []
-        tables = self.kv.tables
+        tables = self.kv.blocks.tables
         for item in order:
             seq, start, n = item.seq, item.start, item.count
             if n > 1:
@@ -97,7 +98,7 @@ class ModelRunner:
                                              causal_masks(start, n, self.windows)))
             ids.extend(item.input_ids())
             positions.extend(range(start, start + n))
-            slots.extend([seq.slot] * n)  # type: ignore[list-item]
+            slots.extend([item.slot] * n)
         lengths = [s.start + 1 for s in singles]
         nblk = -(-max(lengths, default=0) // BLOCK)
         pos = torch.tensor(positions, dtype=torch.long)
@@ -111,7 +112,7 @@ class ModelRunner:
             decode_len=nblk * BLOCK,
             decode_masks=decode_masks(lengths, nblk * BLOCK, self.windows) if singles else {},
             prefills=prefills,
-            groups=self.kv.window_group,
+            groups=self.kv.blocks.window_group,
         )
         # Logits rows in the caller's order of `scheduled`, for the items that sample.
         ends: dict[int, int] = {}
@@ -136,13 +137,13 @@ class ModelRunner:
         for item in scheduled:
             ids.extend(item.input_ids())
             positions.extend(range(item.start, item.start + item.count))
-            slots.extend([item.seq.slot] * item.count)  # type: ignore[list-item]
+            slots.extend([item.slot] * item.count)
             if item.samples:
                 rows.extend(range(len(ids) - item.rows, len(ids)))
         return StepBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                          torch.tensor(slots, dtype=torch.long),
                          torch.arange(len(ids)) if all_logits else torch.tensor(rows, dtype=torch.long),
-                         self.kv.tables, None)
+                         self.kv.blocks.tables, None)
 
     def execute(self, step: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The step on this runner's model: logits [step.num_rows, vocab], or hidden states [N, hidden]

@@ -1,0 +1,5 @@
+"""`python -m wafer.engine.pipeline`: a stage process (stage.main)."""
+
+from wafer.engine.pipeline.stage import main
+
+main()

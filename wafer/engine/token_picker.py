@@ -1,0 +1,89 @@
+"""A step's logits turned into each sequence's next tokens: grammar masks, the sampler (batched, row
+by row where the batch fails), and drafts verified. A failure that belongs to one sequence (its
+sampling parameters, its grammar) fails that sequence alone; the others go on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
+import torch
+
+from wafer.engine.constraints import mask_logits
+from wafer.engine.executor import Fail
+from wafer.engine.output_processor import OutputProcessor, merge
+from wafer.engine.sampler import Sampler
+from wafer.engine.scheduler import ScheduledSeq
+from wafer.engine.sequence import Sequence, SequenceOutput, TokenLogprob
+from wafer.engine.speculative.speculator import Speculator
+from wafer.engine.stats import EngineStats
+
+log = logging.getLogger("wafer.engine")
+T = TypeVar("T")
+
+
+class TokenPicker:
+    def __init__(self, sampler: Sampler, speculator: Speculator, outputs: OutputProcessor, stats: EngineStats,
+                 fail: Fail) -> None:
+        self.sampler = sampler
+        self.speculator = speculator
+        self.outputs = outputs
+        self.stats = stats
+        self.fail = fail
+
+    def pick(self, plain: list[Sequence], rows: torch.Tensor, verifying: list[tuple[ScheduledSeq, torch.Tensor]],
+             outputs: list[SequenceOutput]) -> None:
+        """A token for each of `plain` from its row of `rows`, and 1 to len(draft)+1 for each item
+        of `verifying` from its rows; their outputs join `outputs`."""
+        self.stats.last_mask_seconds = 0.0
+        if plain:
+            self._mask(rows, plain, outputs)
+            for seq, token, lp in self._sample(rows, plain, outputs):
+                if (out := self._guard(seq, outputs, partial(self.outputs.append, seq, token, lp))) is not None:
+                    outputs.append(out)
+        for item, item_rows in verifying:
+            verify = partial(self.speculator.verify, item, item_rows, self.sampler, self.outputs.append)
+            if made := self._guard(item.seq, outputs, verify):
+                outputs.append(merge(made))
+
+    def _mask(self, rows: torch.Tensor, seqs: list[Sequence], failed: list[SequenceOutput]) -> None:
+        """Each constrained row's grammar mask, in place, timed apart (EngineStats.last_mask_seconds)."""
+        constrained = [(i, seq) for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if constrained:
+            masking = time.perf_counter()
+            for i, seq in constrained:
+                tokens_left = seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt)
+                self._guard(seq, failed, partial(mask_logits, rows[i], seq.matcher, tokens_left))
+            self.stats.last_mask_seconds = time.perf_counter() - masking
+
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence], failed: list[SequenceOutput]
+                ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """A token for each live row, in one batched call; row by row if that call fails."""
+        live = [i for i, seq in enumerate(seqs) if not seq.finished]
+        if len(live) == len(seqs):
+            try:
+                tokens, lps = self.sampler(rows, seqs)
+                return list(zip(seqs, tokens, lps))
+            except Exception:
+                log.exception("batched sampling failed; sampling row by row")
+        out = []
+        for i in live:
+            try:
+                tokens, lps = self.sampler(rows[i : i + 1], [seqs[i]])
+                out.append((seqs[i], tokens[0], lps[0]))
+            except Exception as e:
+                self.fail(seqs[i], e, failed)
+        return out
+
+    def _guard(self, seq: Sequence, failed: list[SequenceOutput], fn: Callable[[], T]) -> T | None:
+        """fn(), or None with `seq` failed alone if it raises (or had failed already)."""
+        if seq.finished:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            self.fail(seq, e, failed)
+            return None

@@ -1,4 +1,4 @@
-"""The package's layers import one way: models, kernels <- engine <- server, router, agents <- cli, and no
+"""The package's layers import one way: models <- kernels <- engine <- server, router, agents <- cli, and no
 module imports another that (through any chain) imports it back. Read from the source, imports
 inside functions included: a lazy import in a circle is still a circle."""
 
@@ -69,6 +69,9 @@ def test_no_module_imports_in_a_circle():
 
 
 UPPER = ("wafer.server", "wafer.router", "wafer.agents", "wafer.benchmark", "wafer.cli")
+# The model layers whose forward pass calls a kernel (BlockLinear, GGUFEmbedding) and the compute
+# path's choice, which asks whether the kernels build: the only models that import wafer.kernels.
+MODELS_ON_KERNELS = ("wafer.models.quant", "wafer.models.gguf_blocks")
 
 
 def test_the_layers_import_one_way():
@@ -77,6 +80,8 @@ def test_the_layers_import_one_way():
     for name, deps in graph.items():
         for dep in deps:
             if name.startswith("wafer.models") and dep.startswith(("wafer.engine", *UPPER)):
+                wrong.append(f"{name} imports {dep}")
+            if name.startswith("wafer.models") and dep.startswith("wafer.kernels") and name not in MODELS_ON_KERNELS:
                 wrong.append(f"{name} imports {dep}")
             if name.startswith("wafer.kernels") and dep.startswith(("wafer.engine", *UPPER)):
                 wrong.append(f"{name} imports {dep}")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.quality import corpus_ids, perplexity
-from tests.models.test_fused_decode import NATS, decode_logits
+from tests.kernels.test_fused_decode import NATS, decode_logits
 from tests.steps import advance, decode_items
 from tests.tiny import hf_from_gguf
 from wafer.engine.block_pool import HOLE
@@ -27,7 +27,7 @@ from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.kernels.build import runnable
 from wafer.models import catalog
-from wafer.models.fused_decode import FusedDecode
+from wafer.kernels.fused_decode import FusedDecode
 from wafer.models.gemma3 import Gemma3Model
 from wafer.models.gguf_blocks import HEAD_BITS, K4, K6
 from wafer.models.loader import LoadedModel, load_model

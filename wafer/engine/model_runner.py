@@ -21,7 +21,7 @@ from wafer.models.attention import (
     causal_masks,
     decode_masks,
 )
-from wafer.models.fused_decode import FusedDecode
+from wafer.kernels.fused_decode import FusedDecode
 from wafer.models.llama import LlamaModel
 
 

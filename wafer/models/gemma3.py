@@ -10,8 +10,8 @@ the second. Norm weights are used as stored: llama.cpp's converter folds Gemma's
 the GGUF's norm tensors (transformers' GGUF loader subtracts the 1 again for its own RMSNorm).
 
 Module names follow llama.py's (fused qkv_proj and gate_up_proj) so that the loaders, the q4/q8
-block path and the fused C++ step (fused_decode.py, which takes this block's extra norms, GeGLU and
-second RoPE base) treat both families alike.
+block path and the fused C++ step (kernels/fused_decode.py, which takes this block's extra norms,
+GeGLU and second RoPE base) treat both families alike.
 """
 
 from __future__ import annotations

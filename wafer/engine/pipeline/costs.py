@@ -18,7 +18,7 @@ def measured_costs(model: torch.nn.Module, kv_dtype: torch.dtype, threads: int, 
     the step is not the fused one (the split then goes by bytes). Per byte, a layer (its attention
     and activations too) and the head cost different amounts: split by bytes, SmolLM2's first stage
     of two took 0.54 ms a token and the second 0.35."""
-    from wafer.models.fused_decode import FusedDecode
+    from wafer.kernels.fused_decode import FusedDecode
 
     before = torch.get_num_threads()
     head = model.lm_head

@@ -14,7 +14,7 @@ from tests.steps import advance, decode_items, prefill
 from wafer.engine.kv_cache import KVCache
 from wafer.engine.model_runner import ModelRunner
 from wafer.kernels.build import load, runnable
-from wafer.models.fused_decode import FusedDecode
+from wafer.kernels.fused_decode import FusedDecode
 from wafer.models.loader import load_model
 
 VARIANTS = [v.name for v in runnable()]

@@ -58,7 +58,7 @@ class FusedDecode:
     def build(cls, model: LlamaModel | Gemma3Model, caches: list[tuple[torch.Tensor, torch.Tensor]],
               groups: list[int], ext: ModuleType | None = None) -> FusedDecode | None:
         """For the model and its KV cache (each layer's pools, and its group of the cache's tables:
-        KVCache.layer_group), on the active kernel variant or `ext` (one of kernels.load()'s); None
+        BlockManager.layer_group), on the active kernel variant or `ext` (one of kernels.load()'s); None
         unless every linear layer runs on wafer's block kernels (the q4 and q8 paths)."""
         ext = ext or kernels()
         if ext is None or not isinstance(model, (LlamaModel, Gemma3Model)):

@@ -197,3 +197,32 @@ def test_a_narrow_terminal_gets_each_cell_as_lines(capsys):
     wide = Console(width=400, record=True, file=open("/dev/null", "w"))
     terminal_table([cell], wide)
     assert "TTFT p50 ms" in wide.export_text() and "cell 1 of 1" not in wide.export_text()
+
+
+def test_the_table_goes_to_stdout_and_the_progress_to_stderr(fake_url, tmp_path):
+    """`wafer bench ... > file` keeps the results: the table alone on stdout, as a redirect sees it."""
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out.open("w") as o, err.open("w") as e:
+        done = subprocess.run([sys.executable, "-m", "wafer.cli", "bench", "--base-url", fake_url, "--num-prompts",
+                               "3", "--warmup", "0", "--concurrency", "1", "--input-len", "16", "--output-len", "5",
+                               "--out", str(tmp_path / "results")], stdout=o, stderr=e, timeout=300,
+                              cwd=Path(__file__).resolve().parents[2])
+    table, diagnostics = out.read_text(), err.read_text()
+    assert done.returncode == 0, diagnostics[-2000:]
+    # Not a terminal: 80 columns, so each cell comes as `name  value` lines.
+    assert "cell 1 of 1" in table and "ok/sent" in table and "TTFT p50 ms" in table
+    assert "wrote" not in table and "in 16 out 5 conc 1" not in table  # the paths written, the progress bar
+    assert "wrote" in diagnostics and str(tmp_path / "results" / "results.json") in diagnostics
+
+
+def test_help_shows_the_defaults():
+    from wafer.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices["bench"]
+    text = " ".join(bench.format_help().split())  # one line: the formatter wraps where the width falls
+    for shown in ("(default: http://127.0.0.1:8000/v1)", "(default: chat)", "(default: 128)", "(default: 32)",
+                  "(default: 0)", "(default: 600.0)", "(default: the first of /v1/models)",
+                  "(default: no pacing)"):
+        assert shown in text, shown
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: inf)" not in text
+    assert "TTFT   = time of the first" in bench.format_help()  # the formulas keep their layout

@@ -128,7 +128,8 @@ def test_every_distance_computes_the_same_product(variant, smollm_shapes):
 
 
 def test_a_tuned_model_generates_what_the_untuned_one_does(smollm, smollm_shapes, clean_table):
-    from wafer.engine.engine import EngineConfig, LLMEngine
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
     from wafer.engine.sequence import SamplingParams
 
     module = clean_table

@@ -4,8 +4,8 @@ The generators and the judgement are those of tests/server/test_fuzz.py (bench/f
 bench/fuzz_run.py), run longer: schemathesis's cases from /openapi.json and hypothesis's broken JSON,
 odd encodings, pathological schemas, extreme numbers, long strings and deep nesting, `--concurrency`
 at a time. Prints the counts by status, the 5xx and malformed error bodies, the longest stall of the
-server's event loop and the engine steps over 100 ms (from /metrics; what each of those steps
-computed, from the server's log) and PASS/FAIL per criterion, then each failing request; exits 1 if
+server's event loop and the engine steps over 100 ms (from /metrics; what they computed, from the
+server's lines at info, at most one every 10 s) and PASS/FAIL per criterion, then each failing request; exits 1 if
 any criterion failed. A timer on the loop sees a hold only from when it was due, up to its 50 ms
 interval less than the hold, so a step over 100 ms fails the run even where no stall did. The
 server's log is in bench/out/fuzz-server.log, the failing requests whole in
@@ -50,7 +50,7 @@ def main() -> int:
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**32)
 
-    # At info, the server logs each engine step over 100 ms with what it computed (printed below).
+    # At info, the server logs engine steps over 100 ms with what they computed (printed below).
     server = start([args.model, "--log-level", "info", *args.serve_arg], LOG)
     # The client's hypothesis work shares this machine's cores with the server; a remote client costs
     # the server none. At nice 19 it takes what the server leaves, so the stalls measured are the
@@ -90,9 +90,13 @@ def main() -> int:
         print(f"\n{len(report.problems)} failing requests (first 40; all, whole, in {FAILURES}):")
         for o in report.problems[:40]:
             print(f"- {o.status} after {o.seconds:.1f} s: {o.problem}\n    {o.request.reproduction()}")
+    # An engine step holds the loop: these are stalls whose cause the server knows. /metrics counts them
+    # all; at info the server logs what the first computed and then at most one every 10 s, each line
+    # with a count of those it held back (the rest are at debug).
     slow_steps = [line.split(" INFO ", 1)[-1] for line in log.splitlines() if "step took" in line]
-    if slow_steps:  # an engine step holds the loop: these are stalls whose cause the server knows
-        print(f"\n{len(slow_steps)} engine steps over {STALL_LIMIT * 1000:.0f} ms, as the server logged them (first 20):")
+    if slow_steps:
+        print(f"\n{report.slow_steps()} engine steps over {STALL_LIMIT * 1000:.0f} ms; the server's {len(slow_steps)} "
+              f"lines at info about them (first 20):")
         for line in slow_steps[:20]:
             print(f"- {line}")
     if args.concurrency == 1:  # one request at a time: each stall is the request's own

@@ -58,12 +58,60 @@ def test_each_step_is_timed_for_its_observers_and_a_slow_one_is_logged(tiny_dir,
     engine.step_observers.append(seen.append)
     engine.submit([1, 5, 9, 13], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     monkeypatch.setattr(async_engine, "SLOW_STEP_SECONDS", 0.0)  # every step counts as slow
-    with caplog.at_level(logging.INFO, logger="wafer.engine"):
+    with caplog.at_level(logging.DEBUG, logger="wafer.engine"):
         while engine.poll():
             pass
     assert [(s.kind, s.sequences, s.prompt_tokens) for s in seen] == [("prompt", 1, 4), ("decode", 1, 0), ("decode", 1, 0)]
     assert all(0 < s.forward_seconds <= s.seconds < 10 for s in seen)
     assert all(s.mask_seconds == 0.0 for s in seen)  # no grammar: nothing masked
-    logged = [r.getMessage() for r in caplog.records if "step took" in r.getMessage()]
-    assert len(logged) == 3 and logged[0].startswith("a prompt step took") and "4 prompt tokens" in logged[0]
-    assert "grammars' masks 0 ms" in logged[0]
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if "step took" in r.getMessage()]
+    # The first at info; the two within SLOW_STEP_INFO_SECONDS of it at debug.
+    assert [level for level, _ in logged] == [logging.INFO, logging.DEBUG, logging.DEBUG]
+    assert logged[0][1].startswith("a prompt step took") and "4 prompt tokens" in logged[0][1]
+    assert "grammars' masks 0 ms" in logged[0][1]
+    assert logged[1][1].startswith("a decode step took")
+
+
+def test_slow_steps_reach_info_at_most_once_per_interval_with_a_count_of_the_rest(caplog):
+    now = [100.0]
+    slow_log = async_engine.SlowStepLog(interval=10.0, clock=lambda: now[0])
+
+    def step(ms: float, at: float) -> None:
+        now[0] = at
+        slow_log(async_engine.StepTiming(ms / 1000, 8, 0, forward_seconds=ms / 2000))
+
+    with caplog.at_level(logging.DEBUG, logger="wafer.engine"):
+        step(50, 100.0)  # not slow: no line
+        step(150, 100.5)  # the first slow step: at info
+        for k in range(30):  # 30 within the next 10 s: each at debug
+            step(120 + k, 101 + k * 0.3)
+        step(200, 110.4)  # still within 10 s of the line at info
+        step(130, 110.5)  # 10 s after it: at info again, with the 31 left out
+        step(140, 115.0)
+        step(110, 121.0)  # one left out since: counted
+        step(105, 131.0)  # none left out since: no count
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    info = [m for level, m in lines if level == logging.INFO]
+    assert len(lines) == 36 and len(info) == 4
+    assert info[0].startswith("a decode step took 150 ms (8 sequences, 0 prompt tokens; the forward pass 75 ms")
+    assert "more slow steps" not in info[0]
+    assert info[1].startswith("a decode step took 130 ms") and info[1].endswith(
+        "[and 31 more slow steps since the last such line, the longest 200 ms; each at debug]")
+    assert info[2].startswith("a decode step took 110 ms")
+    assert info[2].endswith("[and 1 more slow step since the last such line, the longest 140 ms; each at debug]")
+    assert "more slow step" not in info[3]
+    debug = [m for level, m in lines if level == logging.DEBUG]
+    assert debug[0].startswith("a decode step took 120 ms") and "more slow steps" not in debug[0]
+
+
+def test_slow_steps_log_nothing_at_info_while_held_back(caplog):
+    """With the logger at info, the held steps cost no line at all (3,700 lines in 25 minutes were the
+    motive): three slow steps a second for a minute make six lines."""
+    now = [0.0]
+    slow_log = async_engine.SlowStepLog(clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="wafer.engine"):
+        for k in range(180):
+            now[0] = k / 3
+            slow_log(async_engine.StepTiming(0.25, 4, 0))
+    assert len(caplog.records) == 6 and all(r.levelno == logging.INFO for r in caplog.records)
+    assert "[and 29 more slow steps" in caplog.records[1].getMessage()

@@ -56,6 +56,10 @@ class EngineUnavailable(EngineFailure):
 # A step longer than this is logged with what it held: the server's loop is held for as long, and
 # every stream waits (issue 19 bounds that wait at 100 ms).
 SLOW_STEP_SECONDS = 0.1
+# At info, at most one slow step's line per this many seconds (vLLM's stats line comes as often): a
+# busy machine makes several such steps a second. Every one is at debug, and wafer:engine_step_seconds
+# counts them all.
+SLOW_STEP_INFO_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,43 @@ class StepTiming:
     @property
     def kind(self) -> str:
         return "prompt" if self.prompt_tokens else "decode"
+
+
+class SlowStepLog:
+    """Logs each step over SLOW_STEP_SECONDS with what it computed: the first at info, then at most
+    one every `interval` seconds at info, which counts the slow steps logged at debug since the line
+    before it and names the longest; the others at debug. `clock`: seconds, monotonic."""
+
+    def __init__(self, interval: float = SLOW_STEP_INFO_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._next_info = float("-inf")
+        self._held = 0  # slow steps at debug since the last line at info
+        self._longest = 0.0
+
+    def __call__(self, step: StepTiming) -> None:
+        if step.seconds <= SLOW_STEP_SECONDS:
+            return
+        now = self.clock()
+        if now < self._next_info:
+            self._held += 1
+            self._longest = max(self._longest, step.seconds)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s", self.describe(step))
+            return
+        line = self.describe(step)
+        if self._held:
+            line += (f" [and {self._held} more slow step{'s' if self._held > 1 else ''} since the last such line, "
+                     f"the longest {self._longest * 1000:.0f} ms; each at debug]")
+        log.info("%s", line)
+        self._next_info, self._held, self._longest = now + self.interval, 0, 0.0
+
+    @staticmethod
+    def describe(step: StepTiming) -> str:
+        return (f"a {step.kind} step took {step.seconds * 1000:.0f} ms ({step.sequences} sequences, "
+                f"{step.prompt_tokens} prompt tokens; the forward pass {step.forward_seconds * 1000:.0f} ms, picking "
+                f"the tokens the rest, of which grammars' masks {step.mask_seconds * 1000:.0f} ms): every stream "
+                f"waited as long")
 
 
 @dataclass
@@ -106,6 +147,7 @@ class AsyncEngine:
         self.failures = 0
         # Called on the loop after each step (the server's metrics); an observer must not raise.
         self.step_observers: list[Callable[[StepTiming], None]] = []
+        self.slow_step_log = SlowStepLog()
 
     def _nudge(self) -> None:
         if self._wake is not None:
@@ -252,11 +294,7 @@ class AsyncEngine:
         return True
 
     def _timed(self, step: StepTiming) -> None:
-        if step.seconds > SLOW_STEP_SECONDS:
-            log.info("a %s step took %.0f ms (%d sequences, %d prompt tokens; the forward pass %.0f ms, picking "
-                     "the tokens the rest, of which grammars' masks %.0f ms): every stream waited as long", step.kind,
-                     step.seconds * 1000, step.sequences, step.prompt_tokens, step.forward_seconds * 1000,
-                     step.mask_seconds * 1000)
+        self.slow_step_log(step)
         for observe in self.step_observers:
             observe(step)
 

@@ -90,3 +90,39 @@ def test_models_list_and_route_metrics(routed):
     fallbacks = [s.value for f in text_string_to_metric_families(text) for s in f.samples
                  if s.name == "wafer:upstream_fallbacks_total" and s.labels["target"] == "down"]
     assert fallbacks and fallbacks[0] >= 1
+
+
+def test_an_unknown_model_is_a_404_that_names_what_works(routed):
+    """Through the official client: OpenAI's error shape and code, and a message that lists every
+    name this server answers to, each tier and alias with what it stands for."""
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=routed.base_url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(NotFoundError) as e:
+        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    err = e.value
+    assert (err.status_code, err.type, err.param, err.code) == (404, "invalid_request_error", "model", "model_not_found")
+    assert set(err.body) == {"message", "type", "param", "code"}
+    assert err.body["message"] == (
+        "The model `gpt-nope` does not exist or you do not have access to it. Served here: models big, small, down, "
+        "cloud; tiers sol (down), terra (big), luna (small); auto, gpt-5.6 (a tier per request); aliases gpt-5.6-sol "
+        "(sol), gpt-5.6-terra (terra), gpt-5.6-luna (luna), fast (luna), remote (cloud).")
+    listed = {m.id for m in client.models.list()}
+    assert all(f"{n}" in err.body["message"] for n in listed)
+    with pytest.raises(NotFoundError) as card:  # GET /v1/models/{id} answers alike
+        client.models.retrieve("gpt-nope")
+    assert card.value.body == err.body
+
+
+def test_the_unknown_model_message_is_bounded():
+    from wafer.server.app import ECHOED_NAME_CHARS, LISTED_NAMES, unknown_model
+
+    cfg = ServeConfig(models={f"model-{i}": LocalModelConfig(f"model-{i}", None) for i in range(30)}, upstreams={},
+                      tiers={t: ["model-0"] for t in ("sol", "terra", "luna")},
+                      aliases={f"alias-{i}": "model-1" for i in range(40)}, routing=RoutingConfig())
+    asked = "x" * 10_000
+    message = unknown_model(asked, Router(cfg, lambda body: 0)).body()["error"]["message"]
+    assert f"`{'x' * (ECHOED_NAME_CHARS - 1)}…`" in message
+    assert f"model-{LISTED_NAMES - 1} and {30 - LISTED_NAMES} more;" in message
+    assert f"(model-1) and {40 + 3 - LISTED_NAMES} more." in message  # the three gpt-5.6-* first
+    assert message.endswith("GET /v1/models lists every name.") and len(message) < 800

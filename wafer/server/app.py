@@ -23,7 +23,7 @@ from wafer import untrusted_json
 from wafer.agents.items import ResponseRequest
 from wafer.agents.responses import ResponsesService, sse
 from wafer.agents.store import ResponseStore
-from wafer.router.config import LocalModelConfig, UpstreamConfig, default_config
+from wafer.router.config import ROUTER_NAMES, TIER_ALIASES, LocalModelConfig, UpstreamConfig, default_config
 from wafer.router.router import Router, UnknownModel
 from wafer.router.replicas import ReplicaSet
 from wafer.router.upstream import UpstreamUnavailable, forward
@@ -119,6 +119,43 @@ def default_router(models: list[ServedModel]) -> Router:
         for alias in m.names[1:]:
             cfg.aliases[alias] = m.names[0]
     return Router(cfg, prompt_counter(first))
+
+
+# The unknown model's 404 names what works: at most this many names of each kind (the rest counted;
+# GET /v1/models lists them all), and the name asked for cut to this many characters, so that a
+# request cannot make the message long.
+LISTED_NAMES = 8
+ECHOED_NAME_CHARS = 64
+
+
+def unknown_model(name: str, router: Router) -> APIError:
+    """OpenAI's 404 for a model it does not serve, its message extended with the names this server
+    answers to: models, tiers (with the model that serves each first), the routers that pick a tier
+    per request, and aliases (with what each stands for)."""
+    c = router.config
+    models = {*c.models, *c.upstreams}
+    stands_for = {**TIER_ALIASES, **c.aliases}
+    kinds: dict[str, list[str]] = {"models": [], "tiers": [], "routers": [], "aliases": []}
+    for n in router.names:
+        if n in models:
+            kinds["models"].append(n)
+        elif n in c.tiers:
+            kinds["tiers"].append(f"{n} ({c.tiers[n][0]})" if c.tiers[n] else n)
+        elif n in ROUTER_NAMES:
+            kinds["routers"].append(n)
+        else:
+            kinds["aliases"].append(f"{n} ({stands_for[n]})" if n in stands_for else n)
+    parts, cut = [], False
+    for kind, names in kinds.items():
+        if names:
+            more = len(names) - LISTED_NAMES
+            cut |= more > 0
+            listed = ", ".join(names[:LISTED_NAMES]) + (f" and {more} more" if more > 0 else "")
+            parts.append(f"{listed} (a tier per request)" if kind == "routers" else f"{kind} {listed}")
+    shown = name if len(name) <= ECHOED_NAME_CHARS else name[: ECHOED_NAME_CHARS - 1] + "…"
+    message = (f"The model `{shown}` does not exist or you do not have access to it. Served here: "
+               f"{'; '.join(parts)}.{' GET /v1/models lists every name.' if cut else ''}")
+    return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
 def prompt_counter(served: ServedModel):  # type: ignore[no-untyped-def]
@@ -266,10 +303,6 @@ def create_app(
         raw = await request.body()
         return await off_loop(len(raw) > OFF_LOOP_BYTES, _parse_json, raw)  # 2 MB take 60 ms to parse
 
-    def not_found(name: str) -> APIError:
-        return APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
-                        "invalid_request_error", "model", "model_not_found")
-
     def model_card(name: str) -> dict[str, Any]:
         card: dict[str, Any] = {"id": name, "object": "model", "created": served_list[0].created, "owned_by": "wafer"}
         if name in local:
@@ -290,7 +323,7 @@ def create_app(
         try:
             decision = await off_loop(heavy, router.resolve, req.model, body)
         except UnknownModel:
-            raise not_found(req.model) from None
+            raise unknown_model(req.model, router) from None
         metrics.routes.labels(decision.rule, decision.tier or "-").inc()
         headers = {"x-wafer-route": decision.rule, "x-wafer-tier": decision.tier or ""}
         failures = []
@@ -365,7 +398,7 @@ def create_app(
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id not in router.names:
-            raise not_found(model_id)
+            raise unknown_model(model_id, router)
         return model_card(model_id)
 
     @v1.post("/chat/completions")

@@ -178,7 +178,7 @@ def sampled(model: str, rounds: int) -> list[list[str]]:
         add_generation_prompt=True), add_special_tokens=False)
     plain = LLMEngine(loaded, EngineConfig(max_running=16, max_model_len=4096))
     spec = LLMEngine(loaded, EngineConfig(max_running=4, max_model_len=4096,
-                                          speculative=SpeculativeConfig(method="ngram", num_tokens=5)))
+                                          speculative=SpeculativeConfig(method="ngram", num_tokens=5, adaptive=False)))
 
     def streams() -> tuple[float, list]:
         seqs = [plain.add(prompt, SamplingParams(max_tokens=24, seed=i, ignore_eos=True, **defaults)) for i in range(16)]

@@ -141,3 +141,23 @@ def test_the_server_reaches_the_engine_through_its_interface():
                 if INSIDES.search(line) and not line.lstrip().startswith(("from ", "import ")):
                     found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_settings_import_nothing_of_wafer():
+    """wafer.config holds the defaults every layer reads, the models' and the engine's included, so it
+    imports no other wafer module: one that did would put its layer below the models."""
+    graph = _imports()
+    wrong = [f"{name} imports {dep}" for name, deps in graph.items() if name.startswith("wafer.config")
+             for dep in deps if not dep.startswith("wafer.config")]
+    assert any(name.startswith("wafer.config") for name in graph)
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_server_reads_its_settings_from_wafer_config():
+    """The server's defaults (reasoning budgets, engine settings) come from wafer.config, not from the
+    router's wafer.toml parser: only main.py, which loads the configuration, and app.py, which routes,
+    import the router."""
+    graph = _imports()
+    wrong = [f"{name} imports {dep}" for name, deps in graph.items() if name.startswith("wafer.server")
+             and name not in ("wafer.server.main", "wafer.server.app") for dep in deps if dep.startswith("wafer.router")]
+    assert not wrong, "\n".join(sorted(wrong))

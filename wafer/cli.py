@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from wafer.engine import defaults
+from wafer.config import (
+    DEVICES,
+    KV_CACHE_DTYPES,
+    SPECULATIVE_LENGTHS,
+    TIERS,
+    CacheSettings,
+    EngineSettings,
+    LoadSettings,
+    ServerSettings,
+    SpeculationSettings,
+)
 from wafer.errors import WaferError
 from wafer.loading import load_with_progress
 
@@ -26,13 +37,38 @@ def make_engine(loaded: "LoadedModel", args: argparse.Namespace) -> "LLMEngine":
     return LLMEngine(loaded, EngineConfig(max_model_len=args.max_model_len))
 
 
-def sampling_from_args(args: argparse.Namespace) -> "SamplingParams":
-    from wafer.engine.sequence import SamplingParams
+# The sampling flags of `generate` and `chat`; one left out takes the model's default, as a request
+# to the server that leaves it out does.
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, ignore_eos=getattr(args, "ignore_eos", False),
-    )
+
+def sampling_from_args(args: argparse.Namespace, loaded: "LoadedModel") -> "SamplingParams":
+    from wafer.engine.sequence import SamplingParams
+    from wafer.models.generation_defaults import NEUTRAL
+
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    chosen: dict[str, Any] = {**NEUTRAL, **loaded.sampling, **given}
+    return SamplingParams(max_tokens=args.max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
+                          top_k=int(chosen["top_k"]), min_p=chosen["min_p"],
+                          repetition_penalty=chosen["repetition_penalty"], seed=args.seed,
+                          ignore_eos=getattr(args, "ignore_eos", False))
+
+
+def chat_model(asked: str | None) -> str | None:
+    """The model `wafer chat` talks to: the one asked for, else the largest installed tier (the
+    bundled luna is always there)."""
+    if asked is not None:
+        return asked
+    from wafer.models import catalog
+
+    for tier in TIERS:
+        m = catalog.find(tier)
+        if m is not None and catalog.installed_path(m) is not None:
+            if tier != TIERS[0]:
+                print(f"wafer chat: {TIERS[0]} is not installed (`wafer models install`); talking to {tier}",
+                      file=sys.stderr)
+            return tier
+    return None
 
 
 def stream(engine: "LLMEngine", prompt_ids: list[int], params: "SamplingParams") -> tuple[str, int, float, float]:
@@ -62,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = tok.encode(args.prompt)
     engine.warmup()
-    _, n, ttft, decode_s = stream(engine, ids, sampling_from_args(args))
+    _, n, ttft, decode_s = stream(engine, ids, sampling_from_args(args, loaded))
     sys.stdout.write("\n")
     if not args.quiet:
         rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
@@ -72,13 +108,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    loaded = load_with_progress(args.model, args.quiet, args.quant, args.device)
+    loaded = load_with_progress(chat_model(args.model), args.quiet, args.quant, args.device)
     engine = make_engine(loaded, args)
     tok = loaded.tokenizer
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("wafer chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    print(f"wafer chat: {loaded.name}; /reset starts over, /exit quits", file=sys.stderr)
     while True:
         try:
             line = input(">>> ")
@@ -100,7 +136,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.pop()
             continue
         try:
-            text, *_ = stream(engine, ids, sampling_from_args(args))
+            text, *_ = stream(engine, ids, sampling_from_args(args, loaded))
         except KeyboardInterrupt:
             text = ""
         print()
@@ -204,11 +240,14 @@ def cmd_models(args: argparse.Namespace) -> int:
             check = "sha256 verified now" if ok else "SHA-256 MISMATCH (reinstall: remove the file, `wafer models install`)"
         else:
             check = "sha256 verified at install" if path else "not installed"
+        # 80 columns but for the paths, each on a line of its own
         print(f"{m.name}  " + (f"(tier {m.tier})" if m.tier else "(no tier: served when named)"))
-        print(f"  file     {path or '-'}  ({m.size:,} bytes; {check})")
+        print(f"  file     {path or '-'}")
+        print(f"  size     {m.size:,} bytes; {check}")
         print(f"  sha256   {m.sha256}")
-        print(f"  source   {m.source}")
-        print(f"  license  {m.license} ({m.license_file})")
+        for i, line in enumerate(textwrap.wrap(m.source, 80 - 11)):
+            print(f"  {'source' if i == 0 else '':<8} {line}")
+        print(f"  license  {m.license}: {m.license_file}")
     return 1 if failed else 0
 
 
@@ -224,14 +263,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+class _Help(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one worth saying (not None, off or empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, [], argparse.SUPPRESS) or isinstance(action.default, bool) or "%(default)" in text:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="the most tokens generated")
+    model_default = "default: the model's own, as `wafer info` shows and the server uses"
+    p.add_argument("--temperature", type=float, default=None, help=model_default)
+    p.add_argument("--top-p", type=float, default=None, help=model_default)
+    p.add_argument("--top-k", type=int, default=None, help=model_default)
+    p.add_argument("--min-p", type=float, default=None, help=model_default)
+    p.add_argument("--repetition-penalty", type=float, default=None, help=model_default)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
-                   help=f"context to allocate (default {defaults.MAX_MODEL_LEN})")
+    p.add_argument("--max-model-len", type=int, default=EngineSettings.max_model_len, help="context to allocate")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or statistics")
     _quant_arg(p)
 
@@ -250,22 +303,27 @@ def _non_negative(text: str) -> int:
 def _quant_arg(p: argparse.ArgumentParser) -> None:
     from wafer.models.quant import PATHS
 
-    p.add_argument("--quant", choices=PATHS, default="auto",
-                   help="compute path (default auto: the file's own weights on the CPU, q4 for the bundled model; "
+    p.add_argument("--quant", choices=PATHS, default=LoadSettings.quant,
+                   help="compute path (auto: the file's own weights on the CPU, q4 for the bundled model; "
                         "bf16 on CUDA): f32 (reference), bf16 (CUDA), int8 (int8 weights per channel, PyTorch's "
                         "kernel), q8 or q4 (8- or 4-bit blocks, wafer's kernels in the best variant the CPU runs, "
                         "WAFER_KERNELS=NAME forces one; int8 with a warning where they cannot be built)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where the model runs (default auto: cuda when a GPU is visible)")
+    p.add_argument("--device", choices=DEVICES, default=LoadSettings.device,
+                   help="where the model runs (auto: cuda when a GPU is visible)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `wafer` command's flags. Those of a setting take its default from wafer.config, and
+    tests/config/test_defaults.py checks that each flag's default is its field's."""
     parser = argparse.ArgumentParser(prog="wafer", description="Serve and run LLMs (GGUF or Hugging Face).")
     sub = parser.add_subparsers(dest="command", required=True)
     model_help = ("GGUF file, Hugging Face directory, or a model of `wafer models` by name or tier "
                   "(default: SmolLM2-135M-Instruct)")
 
-    g = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=_Help)
+
+    g = command("generate", "complete a prompt, streaming to the terminal")
     g.add_argument("prompt")
     g.add_argument("--model", "-m", default=None, help=model_help)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -273,23 +331,24 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(g, 256)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat")
-    c.add_argument("model", nargs="?", default=None, help=model_help)
+    c = command("chat", "interactive multi-turn chat")
+    c.add_argument("model", nargs="?", default=None,
+                   help=f"as for generate (default: the largest installed tier, {TIERS[0]} once installed)")
     c.add_argument("--system", default=None, help="system message")
     _sampling_args(c, 512)
     c.set_defaults(func=cmd_chat)
 
-    i = sub.add_parser("info", help="describe a model")
+    i = command("info", "describe a model")
     i.add_argument("model", nargs="?", default=None, help=model_help)
     _quant_arg(i)
     i.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = command("serve", "OpenAI-compatible HTTP server")
     s.add_argument("model", nargs="?", default=None,
                    help="GGUF file, Hugging Face directory, or a model of `wafer models` by name or tier (default: "
-                        "the three tiers sol, terra and luna, each installed model serving its own)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+                        f"the tiers {', '.join(TIERS)}, each installed model serving its own)")
+    s.add_argument("--host", default=ServerSettings.host, help="address to listen on")
+    s.add_argument("--port", type=int, default=ServerSettings.port, help="port to listen on")
     s.add_argument("--api-key", action="append", default=[],
                    help="accepted bearer key (repeatable; visible to `ps`: prefer $WAFER_API_KEY, comma-separated, "
                         "or --api-key-file)")
@@ -300,46 +359,50 @@ def build_parser() -> argparse.ArgumentParser:
                         "$WAFER_DATA_DIR, else ~/.local/share/wafer, made on first use)")
     s.add_argument("--protect-metrics", action="store_true",
                    help="/metrics and the dashboard's data need the API key too (default: open, as in vLLM)")
-    s.add_argument("--max-running", type=int, default=defaults.MAX_RUNNING, help="sequences decoded together")
-    s.add_argument("--max-waiting", type=int, default=defaults.MAX_WAITING, help="queued requests before 429")
-    s.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN, help="context to allocate per sequence")
-    s.add_argument("--max-batched-tokens", type=int, default=defaults.MAX_BATCHED_TOKENS,
+    s.add_argument("--max-running", type=int, default=EngineSettings.max_running, help="sequences decoded together")
+    s.add_argument("--max-waiting", type=int, default=EngineSettings.max_waiting, help="queued requests before 429")
+    s.add_argument("--max-model-len", type=int, default=EngineSettings.max_model_len,
+                   help="context to allocate per sequence")
+    s.add_argument("--max-batched-tokens", type=int, default=EngineSettings.max_batched_tokens,
                    help="tokens per engine step (prefill chunk)")
-    s.add_argument("--prefill-step-ms", type=_non_negative, default=round(defaults.PREFILL_STEP_SECONDS * 1000), metavar="MS",
+    s.add_argument("--prefill-step-ms", type=_non_negative, default=EngineSettings.prefill_step_ms, metavar="MS",
                    help="how long a step's prompt work may take while other streams wait for their next token "
                         "(learned per token; 0: only --max-batched-tokens bounds it)")
-    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "fp8"],
+    s.add_argument("--kv-cache-dtype", default=CacheSettings.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="how keys and values are stored: int8 and fp8 (e4m3; CUDA, and the CPU's f32 and int8 "
                         "paths) have a scale per position and head (a quarter of f32's bytes); auto: bf16 on the "
                         "CPU's quantised paths, else the model's activation type")
-    s.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+    s.add_argument("--kv-cache-memory", default=CacheSettings.kv_cache_memory, metavar="SIZE",
                    help="KV-cache budget per model, e.g. 2GiB or 512MB (default: a quarter of the machine's memory, "
                         "or less when every running sequence fits at its whole context). Past it, new requests "
                         "wait and the latest running one is preempted and recomputed later")
-    s.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+    s.add_argument("--pipeline-parallel", type=int, default=EngineSettings.pipeline_parallel, metavar="N",
                    help="run each model's layers in N stage processes (torch.distributed, gloo), this one the "
-                        "first; under torchrun the stages are its other ranks (see the README)")
+                        "first; under torchrun the stages are its other ranks (see docs/guide/deployment.md)")
     s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
     _quant_arg(s)
     s.add_argument("--config", default=None, help="TOML file with models, tiers, aliases, upstreams and routing")
-    s.add_argument("--speculative", default="off", metavar="off|ngram|draft:MODEL",
+    s.add_argument("--speculative", default=SpeculationSettings.speculative, metavar="off|ngram|draft:MODEL",
                    help="speculative decoding: n-gram prompt lookup, or a draft model (a path, or a model or tier "
-                        "of --config) with the same tokenizer (default off)")
-    s.add_argument("--num-speculative-tokens", type=int, default=5, help="K, the most tokens proposed a step (default 5)")
-    s.add_argument("--speculative-length", choices=["adaptive", "fixed"], default="adaptive",
-                   help="adaptive (default): each step proposes the number of tokens, up to K and none included, "
+                        "of --config) with the same tokenizer")
+    s.add_argument("--num-speculative-tokens", type=int, default=SpeculationSettings.num_speculative_tokens,
+                   help="K, the most tokens proposed a step")
+    s.add_argument("--speculative-length", choices=SPECULATIVE_LENGTHS, default=SpeculationSettings.speculative_length,
+                   help="adaptive: each step proposes the number of tokens, up to K and none included, "
                         "that measured steps show to decode fastest; fixed: always K")
-    s.add_argument("--no-prefix-caching", action="store_true", help="never reuse the KV of earlier prompts")
-    s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running requests get on SIGTERM")
-    s.add_argument("--keep-alive", type=float, default=120.0,
-                   help="seconds an idle connection is kept open (default 120: longer than clients' pools, "
-                        "which then close first)")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   default=CacheSettings.prefix_caching, help="never reuse the KV of earlier prompts")
+    s.add_argument("--shutdown-grace", type=float, default=ServerSettings.shutdown_grace,
+                   help="seconds running requests get on SIGTERM")
+    s.add_argument("--keep-alive", type=float, default=ServerSettings.keep_alive,
+                   help="seconds an idle connection is kept open (longer than clients' pools, which then close "
+                        "first)")
+    s.add_argument("--log-level", default=ServerSettings.log_level, help="debug, info, warning or error")
     s.set_defaults(func=cmd_serve)
 
-    mo = sub.add_parser("models", help="the models wafer serves by default: list, install, verify")
+    mo = command("models", "the models wafer serves by default: list, install, verify")
     mo.add_argument("action", nargs="?", choices=["list", "install", "verify"], default="list",
-                    help="list (default): what is installed, where, its size, checksum and licence; install: fetch, "
+                    help="list: what is installed, where, its size, checksum and licence; install: fetch, "
                          "assemble and check them; verify: hash the installed files again")
     mo.add_argument("names", nargs="*", help="models by name or tier (default: all)")
     mo.add_argument("--no-prepare", action="store_true",
@@ -351,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from wafer.benchmark.cli import add_arguments
 
-    b = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
+    b = command("bench", "load-test an OpenAI-compatible endpoint")
     add_arguments(b)
     b.set_defaults(func=cmd_bench)
     return parser

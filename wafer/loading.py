@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from wafer.config import LoadSettings
+
 if TYPE_CHECKING:
     from wafer.models.loader import LoadedModel
 
 
-def load_with_progress(model: str | None, quiet: bool = False, compute: str = "auto",
-                       device: str = "auto") -> "LoadedModel":
+def load_with_progress(model: str | None, quiet: bool = False, compute: str = LoadSettings.quant,
+                       device: str = LoadSettings.device) -> "LoadedModel":
     """Load a model, with a progress bar on stderr. Device `auto`: CUDA where there is a GPU."""
     import torch
     from rich.console import Console

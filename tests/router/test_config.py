@@ -66,7 +66,7 @@ tiers = { code = "sol" }
     ("this is = not toml [", "invalid TOML"),
     ("[models.a]\nspeculative = 'eagle'", "expected off, ngram or draft:MODEL"),
     ("[models.a]\nspeculative = 'ngram'\nnum_speculative_tokens = 0", "at least 1"),
-    ("[models.a]\nspeculative = 'ngram'\nspeculative_length = 'sometimes'", "expected fixed or adaptive"),
+    ("[models.a]\nspeculative = 'ngram'\nspeculative_length = 'sometimes'", "expected adaptive or fixed"),
     ("[models.a]\nspeculative = 'draft:luna'\n[upstreams.u]\nbase_url = 'http://x/v1'\n[tiers]\nluna = 'u'",
      "no local model to draft with"),
 ])

@@ -17,7 +17,7 @@ from wafer.engine.speculative.config import SpeculativeConfig
 
 @pytest.fixture(scope="module")
 def spec_server(smollm):
-    s = start_server(smollm, max_running=4, engine_kw={"speculative": SpeculativeConfig.parse("ngram", 6)})
+    s = start_server(smollm, max_running=4, engine_kw={"speculative": SpeculativeConfig.parse("ngram", 6, "fixed")})
     yield s
     s.stop()
 

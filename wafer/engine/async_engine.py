@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from wafer.engine import defaults
+from wafer.config import EngineSettings
 from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads, binding_wanted
 from wafer.engine.constraints import GrammarMatcher
 from wafer.engine.engine import LLMEngine
@@ -134,7 +134,7 @@ class AsyncEngine:
     These, like the task that steps it (`run_engines`), run on the one event loop; the checks of what
     a request asks (`validate`, the grammar methods) touch no engine state and run on any thread."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = defaults.MAX_WAITING) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = EngineSettings.max_waiting) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: deque[tuple[str, Any]] = deque()

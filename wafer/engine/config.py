@@ -1,30 +1,30 @@
-"""An engine's settings."""
+"""An engine's settings; their defaults are wafer.config's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from wafer.engine import defaults
+from wafer.config import CacheSettings, EngineSettings
 from wafer.engine.speculative.config import SpeculativeConfig
 
 
 @dataclass
 class EngineConfig:
-    max_running: int = defaults.MAX_RUNNING
+    max_running: int = EngineSettings.max_running
     max_model_len: int | None = None  # default: the model's context length
     # Bytes of KV the cache may hold (default: default_kv_budget(), or less when every running
     # sequence fits at max_model_len). The pool takes memory only as its blocks are first written.
-    kv_cache_memory: int | None = None
-    kv_cache_dtype: str = "auto"  # f32, bf16, int8 or fp8 (scales per position and head); see kv_layout.kv_dtype()
-    max_batched_tokens: int = defaults.MAX_BATCHED_TOKENS  # per step: decode tokens plus prefill chunks
-    prefix_caching: bool = True  # reuse the KV of earlier requests' shared prompt prefixes
+    kv_cache_memory: int | None = CacheSettings.kv_cache_memory
+    kv_cache_dtype: str = CacheSettings.kv_cache_dtype  # see kv_layout.kv_dtype()
+    max_batched_tokens: int = EngineSettings.max_batched_tokens  # per step: decode tokens plus prefill chunks
+    prefix_caching: bool = CacheSettings.prefix_caching
     # Seconds of prompt work a step may take (None: no limit). The server sets it so that one
     # request's long prompt delays the others' tokens, and its own loop, by a bounded time.
     prefill_step_seconds: float | None = None
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Stages the model's layers run in (the pipeline package): 1 is this process alone.
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = EngineSettings.pipeline_parallel
     # Seconds a step may take through the stages before the pipeline counts as broken.
     pipeline_timeout: float = 120.0
     # Where rank 0's store listens for the stages; spawn: this process starts them (else torchrun).

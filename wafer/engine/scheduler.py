@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from wafer.config import CacheSettings
 from wafer.engine.block_manager import BlockManager
 from wafer.engine.kv_layout import BLOCK
 from wafer.engine.sequence import Sequence, Status
@@ -74,7 +75,7 @@ def _computed_beside(seq: Sequence, scheduled: list[ScheduledSeq]) -> bool:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = CacheSettings.prefix_caching) -> None:
         self.blocks = blocks
         self.prefix_caching = prefix_caching
         self.max_running = min(max_running, blocks.num_slots)

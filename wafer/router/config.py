@@ -54,26 +54,34 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
+from wafer.config import (
+    DEVICES,
+    KV_CACHE_DTYPES,
+    REASONING_BUDGETS,
+    ROUTER_NAMES,
+    ROUTING_TIERS,
+    TIER_ALIASES,
+    TIERS,
+    CacheSettings,
+    EngineSettings,
+    LoadSettings,
+    SpeculationSettings,
+)
 from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.errors import WaferError
 from wafer.models.generation_defaults import check as check_sampling
 from wafer.models.quant import PATHS
 
-TIERS = ("sol", "terra", "luna")
-ROUTER_NAMES = ("auto", "gpt-5.6")
-TIER_ALIASES = {"gpt-5.6-sol": "sol", "gpt-5.6-terra": "terra", "gpt-5.6-luna": "luna"}
-ENGINE_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batched_tokens", "kv_cache_memory",
-                  "prefill_step_ms", "pipeline_parallel")
-# Tokens of reasoning per effort level before the answer; `ultra` reasons as `max` does. Each level
-# has about four times the budget of the one below it, from a short plan to a long derivation.
-REASONING_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096, "xhigh": 8192,
-                     "max": 16384}
+__all__ = ["DEVICES", "KV_CACHE_DTYPES", "REASONING_BUDGETS", "ROUTER_NAMES", "TIERS", "TIER_ALIASES"]  # wafer.config's
+
+# A model's integer options (LocalModelConfig.options): the engine's settings and the KV cache's budget.
+ENGINE_OPTIONS = (*(f.name for f in fields(EngineSettings)), "kv_cache_memory")
 
 
 class ConfigError(WaferError):
@@ -98,14 +106,14 @@ def parse_size(value: int | str) -> int:
 class LocalModelConfig:
     name: str
     path: str | None  # None: the bundled default
-    options: dict[str, int] = field(default_factory=dict)
-    quant: str = "auto"  # the compute path
-    device: str = "auto"  # auto | cpu | cuda
-    speculative: str = "off"  # off | ngram | draft:NAME
-    num_speculative_tokens: int = 5
-    speculative_length: str = "adaptive"  # adaptive | fixed
-    prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto | f32 | bf16 | int8 | fp8
+    options: dict[str, int] = field(default_factory=dict)  # ENGINE_OPTIONS given; the rest take EngineSettings'
+    quant: str = LoadSettings.quant  # the compute path
+    device: str = LoadSettings.device
+    speculative: str = SpeculationSettings.speculative  # off | ngram | draft:NAME
+    num_speculative_tokens: int = SpeculationSettings.num_speculative_tokens
+    speculative_length: str = SpeculationSettings.speculative_length
+    prefix_caching: bool = CacheSettings.prefix_caching
+    kv_cache_dtype: str = CacheSettings.kv_cache_dtype
     sampling: dict[str, float] = field(default_factory=dict)  # over the model's own defaults
     price: dict[str, float] = field(default_factory=dict)  # USD per million tokens, input and output
 
@@ -113,8 +121,6 @@ class LocalModelConfig:
 # Per-model settings besides the integer engine options; the CLI's values are their defaults.
 MODEL_SETTINGS = ("quant", "device", "speculative", "num_speculative_tokens", "speculative_length", "prefix_caching",
                   "kv_cache_dtype")
-DEVICES = ("auto", "cpu", "cuda")
-KV_CACHE_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 
 
 @dataclass
@@ -147,9 +153,7 @@ class RoutingConfig:
         "think hard", "think harder", "think carefully", "think deeply", "ultrathink", "take your time",
         "reason carefully"])
     multi_step_min_steps: int = 3
-    tiers: dict[str, str] = field(default_factory=lambda: {
-        "effort_high": "sol", "effort_low": "luna", "effort_medium": "terra", "hint": "sol", "long_prompt": "sol",
-        "multi_step": "sol", "tools": "terra", "code": "terra", "short_prompt": "luna", "default": "terra"})
+    tiers: dict[str, str] = field(default_factory=lambda: dict(ROUTING_TIERS))  # rule -> tier
 
 
 @dataclass
@@ -192,7 +196,7 @@ class ServeConfig:
                 raise ConfigError(f"routing rule {rule!r} sends to {tier!r}, which is not a tier")
 
 
-def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = "auto",
+def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = LoadSettings.quant,
                    settings: dict[str, Any] | None = None) -> ServeConfig:
     """No file: one model serves every tier and answers to its own names (the first is canonical).
     `settings`: values for MODEL_SETTINGS other than quant."""
@@ -208,7 +212,7 @@ def default_config(model: str | None, names: list[str], options: dict[str, int],
     return cfg
 
 
-def catalog_config(options: dict[str, int], quant: str = "auto", settings: dict[str, Any] | None = None,
+def catalog_config(options: dict[str, int], quant: str = LoadSettings.quant, settings: dict[str, Any] | None = None,
                    ) -> tuple[ServeConfig, list[str]]:
     """No file and no model: the catalog's models on their tiers (sol, terra, luna), each also under
     its own name. A tier whose model is not installed is served by the nearest installed one; the
@@ -219,11 +223,11 @@ def catalog_config(options: dict[str, int], quant: str = "auto", settings: dict[
     if not installed:
         raise ConfigError("no model of `wafer models` is installed; run `wafer models install`")
     settings = dict(settings or {})
-    draft = catalog.find(str(settings.get("speculative", "")).removeprefix("draft:"))
+    draft = catalog.find(str(settings.get("speculative", SpeculationSettings.speculative)).removeprefix("draft:"))
     models = {}
     for m in installed:
         own = dict(settings)
-        if str(own.get("speculative", "")).startswith("draft:") and draft is not None and \
+        if str(own.get("speculative", SpeculationSettings.speculative)).startswith("draft:") and draft is not None and \
                 catalog.CATALOG.index(m) >= catalog.CATALOG.index(draft):
             own["speculative"] = "off"  # a draft drafts for the larger tiers, not for itself or smaller ones
         models[m.name] = LocalModelConfig(m.name, str(catalog.installed_path(m)), dict(options), quant, **own)
@@ -245,7 +249,7 @@ def catalog_config(options: dict[str, int], quant: str = "auto", settings: dict[
     return cfg, notes
 
 
-def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = "auto",
+def load_config(path: Path, cli_options: dict[str, int] | None = None, quant: str = LoadSettings.quant,
                 settings: dict[str, Any] | None = None) -> ServeConfig:
     try:
         raw = tomllib.loads(path.read_text())
@@ -287,7 +291,7 @@ def _reasoning(value: Any) -> dict[str, int]:
     return {**REASONING_BUDGETS, **value}
 
 
-def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto",
+def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = LoadSettings.quant,
            settings: dict[str, Any] | None = None) -> ServeConfig:
     models = {}
     for name, m in (raw.get("models") or {}).items():
@@ -302,9 +306,9 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = "auto"
             raise ConfigError(f"model {name!r}: unknown option(s) {sorted(unknown)}")
         if m.get("quant", quant) not in PATHS:
             raise ConfigError(f"model {name!r}: quant must be one of {', '.join(PATHS)}")
-        if m.get("device", "auto") not in DEVICES:
+        if m.get("device", LoadSettings.device) not in DEVICES:
             raise ConfigError(f"model {name!r}: device must be one of {', '.join(DEVICES)}")
-        if m.get("kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+        if m.get("kv_cache_dtype", CacheSettings.kv_cache_dtype) not in KV_CACHE_DTYPES:
             raise ConfigError(f"model {name!r}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         own = {**(settings or {}), **{k: m[k] for k in MODEL_SETTINGS if k in m and k != "quant"}}
         if not isinstance(m.get("sampling", {}), dict):
@@ -361,11 +365,11 @@ def _upstream(name: str, u: dict[str, Any]) -> UpstreamConfig:
         raise ConfigError(f"{where}: replicas must be a list of base URLs, e.g. [\"http://10.0.0.5:8000/v1\"]")
     if ("base_url" in u) == bool(replicas):
         raise ConfigError(f"{where} needs base_url, or replicas (a list of base URLs), not both")
-    if u.get("policy", "least_outstanding") not in REPLICA_POLICIES:
+    if u.get("policy", UpstreamConfig.policy) not in REPLICA_POLICIES:
         raise ConfigError(f"{where}: policy must be one of {', '.join(REPLICA_POLICIES)}")
     try:
         numbers = {k: float(u[k]) for k in ("timeout", "cooldown", "health_interval") if k in u}
-        slack = int(u.get("balance_slack", 4))
+        slack = int(u.get("balance_slack", UpstreamConfig.balance_slack))
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: timeout, cooldown and health_interval are seconds, balance_slack a count") from None
     if any(v <= 0 for v in numbers.values()) or slack < 0:
@@ -374,10 +378,11 @@ def _upstream(name: str, u: dict[str, Any]) -> UpstreamConfig:
         raise ConfigError(f"{where}: wafer is true or false (whether the upstream is a wafer server)")
     base = u.get("base_url") or replicas[0]
     return UpstreamConfig(name, base.rstrip("/"), u.get("model", name), u.get("api_key_env"),
-                          numbers.get("timeout", 120.0), _price(u.get("price"), where),
-                          [r.rstrip("/") for r in replicas], u.get("policy", "least_outstanding"),
-                          numbers.get("cooldown", 10.0), numbers.get("health_interval", 5.0), slack,
-                          u.get("wafer", False))
+                          numbers.get("timeout", UpstreamConfig.timeout), _price(u.get("price"), where),
+                          [r.rstrip("/") for r in replicas], u.get("policy", UpstreamConfig.policy),
+                          numbers.get("cooldown", UpstreamConfig.cooldown),
+                          numbers.get("health_interval", UpstreamConfig.health_interval), slack,
+                          u.get("wafer", UpstreamConfig.wafer))
 
 
 def draft_target(cfg: ServeConfig, name: str) -> str:

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wafer.router.config import ROUTER_NAMES, TIER_ALIASES, TIERS, ServeConfig
+from wafer.config import ROUTER_NAMES, TIER_ALIASES, TIERS
+from wafer.router.config import ServeConfig
 from wafer.router.rules import choose
 
 

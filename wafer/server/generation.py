@@ -30,7 +30,7 @@ from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
 from wafer.models.chat_template import ChatTemplate
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.tokenizer import TextTokenizer
-from wafer.router.config import REASONING_BUDGETS
+from wafer.config import REASONING_BUDGETS
 from wafer.server.errors import APIError, bad_request, server_error
 from wafer.server.metrics import RequestTimer, ServerMetrics
 from wafer.server.protocol import _Sampling

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import uvicorn
 
 from wafer import __version__
-from wafer.engine import defaults
+from wafer.config import CacheSettings, EngineSettings
 from wafer.engine.async_engine import AsyncEngine, run_engines
 from wafer.engine.config import EngineConfig
 from wafer.engine.engine import LLMEngine
@@ -30,6 +31,7 @@ from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
 from wafer.router.config import (
+    MODEL_SETTINGS,
     ConfigError,
     ServeConfig,
     catalog_config,
@@ -45,13 +47,14 @@ from wafer.server.generation import ServedModel
 log = logging.getLogger("wafer.server")
 
 
-def build_served(loaded: LoadedModel, names: list[str], max_running: int = defaults.MAX_RUNNING,
-                 max_waiting: int = defaults.MAX_WAITING, max_model_len: int | None = defaults.MAX_MODEL_LEN,
-                 max_batched_tokens: int = defaults.MAX_BATCHED_TOKENS,
+def build_served(loaded: LoadedModel, names: list[str], max_running: int = EngineSettings.max_running,
+                 max_waiting: int = EngineSettings.max_waiting, max_model_len: int | None = EngineSettings.max_model_len,
+                 max_batched_tokens: int = EngineSettings.max_batched_tokens,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
-                 prefix_caching: bool = True, sampling: dict[str, float] | None = None,
-                 prefill_step_seconds: float | None = defaults.PREFILL_STEP_SECONDS,
-                 kv_cache_memory: int | None = None, kv_cache_dtype: str = "auto",
+                 prefix_caching: bool = CacheSettings.prefix_caching, sampling: dict[str, float] | None = None,
+                 prefill_step_seconds: float | None = EngineSettings.prefill_step_ms / 1000,
+                 kv_cache_memory: int | None = CacheSettings.kv_cache_memory,
+                 kv_cache_dtype: str = CacheSettings.kv_cache_dtype,
                  pipeline: dict[str, Any] | None = None) -> ServedModel:
     """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
     over the model's own. `pipeline`: EngineConfig's pipeline_* settings (stages of the model)."""
@@ -278,25 +281,29 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
             ref = draft_target(cfg, spec.draft_model)
             other = cfg.models.get(ref)
             draft = load(other.path, other.quant, other.device) if other else load(ref, m.quant, m.device)
-        o = m.options
+        o = engine_settings(m.options)
         try:
-            served.append(build_served(target, [m.name], o.get("max_running", defaults.MAX_RUNNING),
-                                       o.get("max_waiting", defaults.MAX_WAITING),
-                                       o.get("max_model_len", defaults.MAX_MODEL_LEN),
-                                       o.get("max_batched_tokens", defaults.MAX_BATCHED_TOKENS),
-                                       speculative=spec, draft=draft, prefix_caching=m.prefix_caching,
-                                       sampling=m.sampling, kv_cache_memory=o.get("kv_cache_memory"),
-                                       kv_cache_dtype=m.kv_cache_dtype, pipeline=pipeline_settings(o),
-                                       prefill_step_seconds=prefill_step(o)))
+            served.append(build_served(target, [m.name], o.max_running, o.max_waiting, o.max_model_len,
+                                       o.max_batched_tokens, speculative=spec, draft=draft,
+                                       prefix_caching=m.prefix_caching, sampling=m.sampling,
+                                       kv_cache_memory=m.options.get("kv_cache_memory"),
+                                       kv_cache_dtype=m.kv_cache_dtype, pipeline=pipeline_settings(m.options),
+                                       prefill_step_seconds=prefill_step(m.options)))
             served[-1].reasoning = dict(cfg.reasoning)
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
     return served
 
 
+def engine_settings(options: dict[str, int]) -> EngineSettings:
+    """A model's engine settings: its options (wafer.toml's and the CLI's), EngineSettings' defaults for the rest."""
+    names = {f.name for f in fields(EngineSettings)}
+    return EngineSettings(**{k: v for k, v in options.items() if k in names})
+
+
 def prefill_step(options: dict[str, int]) -> float | None:
     """The seconds of prompt work a step may take (`prefill_step_ms`; 0: only max_batched_tokens bounds it)."""
-    ms = options.get("prefill_step_ms", round(defaults.PREFILL_STEP_SECONDS * 1000))
+    ms = engine_settings(options).prefill_step_ms
     if ms < 0:
         raise ConfigError(f"prefill_step_ms must be 0 or more, not {ms}")
     return ms / 1000 if ms else None
@@ -313,7 +320,7 @@ def pipeline_settings(options: dict[str, int], env: dict[str, str] | None = None
             raise ConfigError("only rank 0 serves HTTP: start the other ranks with `python -m wafer.engine.pipeline`")
         return {"pipeline_parallel": world, "pipeline_spawn": False, "pipeline_host": env.get("MASTER_ADDR", "127.0.0.1"),
                 "pipeline_port": int(env.get("MASTER_PORT", "29500")) + 1}
-    return {"pipeline_parallel": options.get("pipeline_parallel", 1)}
+    return {"pipeline_parallel": engine_settings(options).pipeline_parallel}
 
 
 def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None = None) -> list[str]:
@@ -335,17 +342,13 @@ def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None 
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = {"max_running": args.max_running, "max_waiting": args.max_waiting, "max_model_len": args.max_model_len,
-               "max_batched_tokens": args.max_batched_tokens, "prefill_step_ms": args.prefill_step_ms,
-               "pipeline_parallel": args.pipeline_parallel}
+    options = {f.name: getattr(args, f.name) for f in fields(EngineSettings)}  # the flags bear the fields' names
     if args.kv_cache_memory is not None:
         try:
             options["kv_cache_memory"] = parse_size(args.kv_cache_memory)
         except ValueError as e:
             raise ConfigError(f"--kv-cache-memory: {e}") from None
-    settings = {"device": args.device, "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-                "speculative_length": args.speculative_length,
-                "prefix_caching": not args.no_prefix_caching, "kv_cache_dtype": args.kv_cache_dtype}
+    settings = {k: getattr(args, k) for k in MODEL_SETTINGS if k != "quant"}
     keys = api_keys(args.api_key, args.api_key_file)  # before the models load: a bad key file fails fast
     notes: list[str] = []
     if args.config:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wafer.router.config import REASONING_BUDGETS
+from wafer.config import REASONING_BUDGETS
 
 EFFORTS = (*REASONING_BUDGETS, "ultra")
 ANSWER_RESERVE = 256

@@ -119,7 +119,7 @@ def test_pipeline_speculation_and_abort():
     tok = load_model(compute="auto").tokenizer
     text = "one two three four five six seven eight nine ten. " * 4
     prompts = [tok.encode(text), tok.encode("The capital of France is"), tok.encode("a b c d e f g a b c d e f g a b c")]
-    spec = SpeculativeConfig(method="ngram", num_tokens=3)
+    spec = SpeculativeConfig(method="ngram", num_tokens=3, adaptive=False)
     single = _engine(default_model_path(), "auto", 1, speculative=spec)
     want, _ = _generate(single, prompts)
     engine = _engine(default_model_path(), "auto", 2, speculative=spec)

@@ -23,7 +23,7 @@ from wafer.models.loader import load_model
 
 
 def engine(loaded, spec: str | SpeculativeConfig = "off", k: int = 5, draft=None, **kw) -> LLMEngine:
-    sc = spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec, k)
+    sc = spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec, k, "fixed")
     cfg = EngineConfig(max_running=kw.pop("max_running", 4), max_model_len=2048, speculative=sc, **kw)
     return LLMEngine(loaded, cfg, draft=draft)
 
@@ -57,7 +57,8 @@ def test_parse() -> None:
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError):
         SpeculativeConfig.parse("ngram", 0)
-    assert not SpeculativeConfig.parse("ngram", 3).adaptive
+    assert not SpeculativeConfig.parse("ngram", 3, "fixed").adaptive
+    assert SpeculativeConfig.parse("ngram", 3).adaptive and SpeculativeConfig().adaptive  # the default, as the CLI's
     assert SpeculativeConfig.parse("draft:luna", 4, "adaptive").adaptive
     with pytest.raises(ValueError):
         SpeculativeConfig.parse("ngram", 3, "sometimes")

@@ -25,10 +25,10 @@ log = logging.getLogger("wafer.pipeline")
 class PipelineExecutor:
     """Rank 0's side: runs the first stage of a step, sends it on, and takes the logits back."""
 
-    def __init__(self, runner: ModelRunner, spec: StageSpec, world: int, host: str = "127.0.0.1",
-                 port: int | None = None, spawn: bool = True, timeout: float = 120.0,
-                 connect_timeout: float = 600.0) -> None:
-        """`spawn`: start ranks 1..world-1 here (else torchrun has started them, on any machine).
+    def __init__(self, runner: ModelRunner, spec: StageSpec, world: int, host: str, port: int | None, spawn: bool,
+                 timeout: float, connect_timeout: float = 600.0) -> None:
+        """`host`, `port`, `spawn` and `timeout`: EngineConfig's pipeline_* settings.
+        `spawn`: start ranks 1..world-1 here (else torchrun has started them, on any machine).
         `timeout`: seconds a step may take through the pipeline before its stage counts as hung."""
         self.runner = runner
         self.spec = spec

@@ -160,12 +160,15 @@ class LLMEngine:
             executor.check()
             while len(executor.in_flight) < executor.depth:
                 busy = {item.seq.seq_id for flight in executor.in_flight for item in flight.scheduled}
-                waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
-                scheduled = self._schedule(busy, None if executor.depth == 1 else -(-max(waiting, 1) // executor.depth))
+                # Steps in flight at once share the sequences among them.
+                share = -(-max(self.num_running + self.num_waiting, 1) // executor.depth) if executor.depth > 1 else None
+                scheduled = self._schedule(busy, share)
                 if not scheduled:
                     break
                 mark = self.speculator.mark(scheduled)
                 executor.submit(scheduled, started, failed)
+                if executor.depth == 1:
+                    break  # one forward pass a step, even one whose every sequence failed
             flight = executor.result(failed)
         except StageFailure as e:
             log.error("%s; failing %d running sequences and restarting the stages", e, len(self.scheduler.running))

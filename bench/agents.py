@@ -36,6 +36,7 @@ from tests.serving import serve_app, start_server  # noqa: E402
 from wafer.agents import ultra  # noqa: E402
 from wafer.agents.responses import ResponsesService  # noqa: E402
 from wafer.agents.store import ResponseStore  # noqa: E402
+from wafer.config import EngineSettings  # noqa: E402
 from wafer.models.catalog import find  # noqa: E402
 from wafer.models.chat_template import ChatTemplate  # noqa: E402
 from wafer.models.loader import load_model, load_tokenizer  # noqa: E402
@@ -407,7 +408,7 @@ def main() -> None:
             rows.append((task.name, mode, run_task(client, "scripted", task, mode)))
     server.stop()
     if args.ultra or args.max:
-        served = build_served(small, ["SmolLM2-135M-Instruct"], 16, 64, 4096, 256)
+        served = build_served(small, ["SmolLM2-135M-Instruct"])
         server = serve_app(create_app(served, state_db=state), served)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=900)
         if args.ultra:
@@ -421,7 +422,7 @@ def main() -> None:
 
     for tier in args.real:
         loaded = load_model(tier, compute="auto")
-        served = build_served(loaded, [loaded.name], 4, 64, 8192, 256)
+        served = build_served(loaded, [loaded.name], EngineSettings(max_running=4, max_model_len=8192))
         server = serve_app(create_app(served, state_db=state), served)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=600)
         rows = []

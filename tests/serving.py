@@ -11,12 +11,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import httpx
 import uvicorn
 
+from wafer.config import CacheSettings, EngineSettings
 from wafer.engine.compute_threads import release_compute_threads
 from wafer.server.app import create_app
 from wafer.server.generation import ServedModel
@@ -59,7 +60,10 @@ def free_port() -> int:
 
 def start_server(loaded, api_keys=None, max_running=16, max_waiting=64, names=None, engine_kw=None,
                  **app_kw) -> RunningServer:
-    served = build_served(loaded, names or [MODEL], max_running, max_waiting, 2048, 256, **(engine_kw or {}))
+    kw = dict(engine_kw or {})
+    cache = CacheSettings(**{k: kw.pop(k) for k in [f.name for f in fields(CacheSettings)] if k in kw})
+    settings = EngineSettings(max_running=max_running, max_waiting=max_waiting, max_model_len=2048)
+    served = build_served(loaded, names or [MODEL], settings, cache, **kw)
     return serve_app(create_app(served, api_keys, **app_kw), served)
 
 

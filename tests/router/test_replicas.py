@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import MODEL, free_port, serve_app, wait_healthy
+from wafer.config import EngineSettings
 from wafer.router.config import ConfigError, UpstreamConfig, load_config
 from wafer.router.replicas import ReplicaSet, prefix_keys
 from wafer.router.router import Router
@@ -132,7 +133,7 @@ def replicas(smollm, tiny_dir, tmp_path_factory):
     a = subprocess.Popen([sys.executable, "-m", "wafer.cli", "serve", MODEL, "--port", str(port_a), "--max-running", "8"],
                          cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
-    b_served = build_served(smollm, [MODEL], max_running=8, max_model_len=2048)
+    b_served = build_served(smollm, [MODEL], EngineSettings(max_running=8, max_model_len=2048))
     b = serve_app(SlowDown(create_app(b_served)), b_served)
     # Bound and never listening: connections to it are refused, and no server another test process
     # starts meanwhile can take its port (a free port merely looked up was taken by one, once).

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import MODEL, free_port, serve_app
+from wafer.config import EngineSettings
 from wafer.models.loader import load_model
 from wafer.router.config import LocalModelConfig, RoutingConfig, ServeConfig, UpstreamConfig
 from wafer.router.router import Router
@@ -17,8 +18,9 @@ from wafer.server.main import build_served
 
 @pytest.fixture(scope="module")
 def routed(smollm, tiny_dir, server):
-    big = build_served(smollm, ["big"], 4, 16, 1024, 256)
-    small = build_served(load_model(str(tiny_dir)), ["small"], 4, 16, 512, 256)
+    big = build_served(smollm, ["big"], EngineSettings(max_running=4, max_waiting=16, max_model_len=1024))
+    small = build_served(load_model(str(tiny_dir)), ["small"], EngineSettings(max_running=4, max_waiting=16,
+                                                                               max_model_len=512))
     cfg = ServeConfig(
         models={"big": LocalModelConfig("big", None), "small": LocalModelConfig("small", str(tiny_dir))},
         upstreams={

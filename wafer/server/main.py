@@ -47,30 +47,28 @@ from wafer.server.generation import ServedModel
 log = logging.getLogger("wafer.server")
 
 
-def build_served(loaded: LoadedModel, names: list[str], max_running: int = EngineSettings.max_running,
-                 max_waiting: int = EngineSettings.max_waiting, max_model_len: int | None = EngineSettings.max_model_len,
-                 max_batched_tokens: int = EngineSettings.max_batched_tokens,
-                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
-                 prefix_caching: bool = CacheSettings.prefix_caching, sampling: dict[str, float] | None = None,
-                 prefill_step_seconds: float | None = EngineSettings.prefill_step_ms / 1000,
-                 kv_cache_memory: int | None = CacheSettings.kv_cache_memory,
-                 kv_cache_dtype: str = CacheSettings.kv_cache_dtype,
+def build_served(loaded: LoadedModel, names: list[str], settings: EngineSettings | None = None,
+                 cache: CacheSettings | None = None, speculative: SpeculativeConfig | None = None,
+                 draft: LoadedModel | None = None, sampling: dict[str, float] | None = None,
                  pipeline: dict[str, Any] | None = None) -> ServedModel:
-    """A model ready to serve; an EngineServer steps its engine. `sampling`: defaults (wafer.toml's)
-    over the model's own. `pipeline`: EngineConfig's pipeline_* settings (stages of the model)."""
-    engine = LLMEngine(loaded, EngineConfig(max_running=max_running, max_model_len=max_model_len,
-                                            max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
+    """A model ready to serve; an EngineServer steps its engine. `settings`, `cache`: the model's
+    (their defaults where None). `sampling`: defaults (wafer.toml's) over the model's own.
+    `pipeline`: EngineConfig's pipeline_* settings where torchrun started the stages
+    (pipeline_settings()); else `settings.pipeline_parallel` stages."""
+    s, c = settings or EngineSettings(), cache or CacheSettings()
+    engine = LLMEngine(loaded, EngineConfig(max_running=s.max_running, max_model_len=s.max_model_len,
+                                            max_batched_tokens=s.max_batched_tokens, prefix_caching=c.prefix_caching,
                                             speculative=speculative or SpeculativeConfig(),
-                                            prefill_step_seconds=prefill_step_seconds,
-                                            kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                                            **(pipeline or {})),
+                                            prefill_step_seconds=prefill_seconds(s.prefill_step_ms),
+                                            kv_cache_memory=c.kv_cache_memory, kv_cache_dtype=c.kv_cache_dtype,
+                                            **(pipeline or {"pipeline_parallel": s.pipeline_parallel})),
                        draft=draft)
     try:
         engine.warmup()
     except BaseException:
         engine.close()  # its pipeline stages, if any
         raise
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    async_engine = AsyncEngine(engine, max_waiting=s.max_waiting)
     digest = hashlib.sha256(f"{loaded.name}:{loaded.config.quantization}:{__version__}".encode()).hexdigest()
     return ServedModel(
         names=names or [loaded.name],
@@ -281,14 +279,11 @@ def load_models(cfg: ServeConfig, quiet: bool = False) -> list[ServedModel]:
             ref = draft_target(cfg, spec.draft_model)
             other = cfg.models.get(ref)
             draft = load(other.path, other.quant, other.device) if other else load(ref, m.quant, m.device)
-        o = engine_settings(m.options)
+        cache = CacheSettings(kv_cache_dtype=m.kv_cache_dtype, kv_cache_memory=m.options.get("kv_cache_memory"),
+                              prefix_caching=m.prefix_caching)
         try:
-            served.append(build_served(target, [m.name], o.max_running, o.max_waiting, o.max_model_len,
-                                       o.max_batched_tokens, speculative=spec, draft=draft,
-                                       prefix_caching=m.prefix_caching, sampling=m.sampling,
-                                       kv_cache_memory=m.options.get("kv_cache_memory"),
-                                       kv_cache_dtype=m.kv_cache_dtype, pipeline=pipeline_settings(m.options),
-                                       prefill_step_seconds=prefill_step(m.options)))
+            served.append(build_served(target, [m.name], engine_settings(m.options), cache, speculative=spec,
+                                       draft=draft, sampling=m.sampling, pipeline=pipeline_settings(m.options)))
             served[-1].reasoning = dict(cfg.reasoning)
         except ValueError as e:  # a draft whose tokenizer differs
             raise ConfigError(f"model {m.name!r}: {e}") from None
@@ -302,8 +297,12 @@ def engine_settings(options: dict[str, int]) -> EngineSettings:
 
 
 def prefill_step(options: dict[str, int]) -> float | None:
-    """The seconds of prompt work a step may take (`prefill_step_ms`; 0: only max_batched_tokens bounds it)."""
-    ms = engine_settings(options).prefill_step_ms
+    """The seconds of prompt work a step may take by a model's options."""
+    return prefill_seconds(engine_settings(options).prefill_step_ms)
+
+
+def prefill_seconds(ms: int) -> float | None:
+    """The seconds of prompt work a step may take for `prefill_step_ms` (0: only max_batched_tokens bounds it)."""
     if ms < 0:
         raise ConfigError(f"prefill_step_ms must be 0 or more, not {ms}")
     return ms / 1000 if ms else None

@@ -68,3 +68,44 @@ def test_a_negative_prefill_step_is_refused_before_any_model_loads(capsys):
     assert e.value.code == 2
     assert "--prefill-step-ms: must be 0 or more, not -5" in capsys.readouterr().err
     assert build_parser().parse_args(["serve", "--prefill-step-ms", "0"]).prefill_step_ms == 0
+
+
+def test_generate_and_chat_sample_with_the_model_s_defaults_where_no_flag_is_given():
+    from types import SimpleNamespace
+
+    from wafer.cli import sampling_from_args
+
+    model = SimpleNamespace(sampling={"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1})
+    for command in (["generate", "hi"], ["chat"]):
+        p = sampling_from_args(build_parser().parse_args(command), model)
+        assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.7, 0.8, 20, 0.0, 1.1)
+        p = sampling_from_args(build_parser().parse_args([*command, "--temperature", "0", "--top-k", "5"]), model)
+        assert (p.temperature, p.top_p, p.top_k) == (0, 0.8, 5)
+    # a model without defaults samples as OpenAI's API does
+    p = sampling_from_args(build_parser().parse_args(["chat"]), SimpleNamespace(sampling={}))
+    assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 0)
+
+
+def test_chat_talks_to_the_largest_installed_tier(capsys):
+    from wafer.cli import chat_model
+    from wafer.config import TIERS
+    from wafer.models import catalog
+
+    assert chat_model("luna") == "luna"
+    installed = [t for t in TIERS if catalog.installed_path(catalog.find(t)) is not None]
+    assert chat_model(None) == installed[0]  # luna, the bundled model, at least
+    assert (installed[0] != TIERS[0]) == ("is not installed" in capsys.readouterr().err)
+
+
+def test_help_shows_the_defaults():
+    for command in ("generate", "chat", "serve"):
+        text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
+        assert "(default: 4096)" in text and "(default: auto)" in text, text
+
+
+def test_models_fits_80_columns_but_for_the_paths():
+    r = run("models")
+    assert r.returncode == 0, r.stderr
+    paths = ("  file ", "  license ")  # a file's path, as long as where it is installed
+    long = [line for line in r.stdout.splitlines() if len(line) > 80 and not line.startswith(paths)]
+    assert not long, long

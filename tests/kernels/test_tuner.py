@@ -213,3 +213,12 @@ def test_tuning_installed_shapes_saves_merges_and_shows_in_wafer_info(own_kernel
     line = next(x for x in out.stdout.splitlines() if x.startswith("kernel tuning"))
     assert "tuned for this CPU: 2 linear shapes" in line
     assert f"{saved.read_gbps[1]:.1f} GB/s on 1 thread" in line and "int8 TOPS" in line
+
+
+def test_a_read_pass_takes_each_distance_and_refuses_a_negative_one(active):
+    module, _ = active
+    buf = torch.ones(16 << 20, dtype=torch.uint8)
+    for ahead in tuner.FIXED_DISTANCES:
+        assert module.read_pass(buf, ahead) > 0
+    with pytest.raises(RuntimeError, match="ahead"):
+        module.read_pass(buf, -1)

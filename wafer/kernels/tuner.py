@@ -9,7 +9,8 @@ candidates taken in turn over several rounds (a shared host's speed drifts), and
 A candidate replaces the default only where it is faster by more than MARGIN; the choice never
 changes a result, only when the bytes arrive.
 
-Beside them it measures the machine's read bandwidth and the variant's int8 peak (probe.h), which
+Beside them it measures the machine's read bandwidth (at the best of the same distances) and the
+variant's int8 peak (probe.h), which
 `wafer info` and bench/kernel_roofline.py print the kernels' speed against.
 
 `python -m wafer.kernels --tune` and `wafer models install` run it; the result goes to
@@ -110,7 +111,10 @@ def measure_machine(module: ModuleType, thread_counts: Iterable[int], repeats: i
         for t in sorted(set(thread_counts)):
             torch.set_num_threads(t)
             module.read_pass(buf)
-            read[t] = PROBE_BYTES / min(module.read_pass(buf) for _ in range(repeats)) / 1e9
+            # At the best distance of the kernels' own candidates: the kernels prefetch, so a read without
+            # would understate what they can have.
+            read[t] = PROBE_BYTES / min(module.read_pass(buf, ahead) for _ in range(repeats)
+                                        for ahead in FIXED_DISTANCES) / 1e9
             module.int8_peak(10_000)
             peak[t] = max(module.int8_peak(200_000) for _ in range(repeats))
     finally:

@@ -70,13 +70,16 @@ void set_prefetch(const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_
 
 int64_t prefetch_ahead(int64_t fmt, int64_t n, int64_t k) { return wafer::prefetch_table().ahead(static_cast<int>(fmt), n, k); }
 
-// Seconds of one read of buf (uint8, 64-byte aligned, at least 256 bytes a thread) by every thread.
-double read_pass(torch::Tensor buf) {
+// Seconds of one read of buf (uint8, 64-byte aligned, at least 256 bytes a thread) by every thread,
+// prefetching `ahead` bytes on (0: none).
+double read_pass(torch::Tensor buf, int64_t ahead) {
     TORCH_CHECK(buf.scalar_type() == torch::kUInt8 && buf.is_contiguous() && buf.numel() >= 256 * at::get_num_threads(),
                 "buf: contiguous uint8, 256 bytes a thread or more");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(buf.data_ptr()) % 64 == 0, "buf: 64-byte aligned");
     float sink = 0.0f;
-    const double took = wafer::read_pass(reinterpret_cast<const float*>(buf.data_ptr<uint8_t>()), buf.numel(), &sink);
+    TORCH_CHECK(ahead >= 0, "ahead: 0 or more bytes");
+    const double took =
+        wafer::read_pass(reinterpret_cast<const float*>(buf.data_ptr<uint8_t>()), buf.numel(), ahead, &sink);
     volatile float keep = sink;
     (void)keep;
     return took;
@@ -338,8 +341,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
             py::call_guard<py::gil_scoped_release>());
     mod.def("set_prefetch", &set_prefetch, "the weights' prefetch distance per (format, out, in), in bytes");
     mod.def("prefetch_ahead", &prefetch_ahead, "the prefetch distance block_linear takes for (format, out, in)");
-    mod.def("read_pass", &read_pass, "seconds of one read of a buffer by every thread",
-            py::call_guard<py::gil_scoped_release>());
+    mod.def("read_pass", &read_pass, "seconds of one read of a buffer by every thread", py::arg("buf"),
+            py::arg("ahead") = 0, py::call_guard<py::gil_scoped_release>());
     mod.def("int8_peak", &wafer::int8_peak, "int8 operations a second of the variant's dot product from registers",
             py::call_guard<py::gil_scoped_release>());
     mod.def("argmax_rows", &argmax_rows, "each row's first largest value's index, as torch.max(dim=-1)",

@@ -1,7 +1,8 @@
 // Two figures of the machine that the kernels' speed is read against, measured by the same code that
 // runs on it (kernels/tuner.py keeps them; `wafer info` and bench/kernel_roofline.py print them):
 // - read_pass: one read of a buffer larger than the caches, each thread its own contiguous part, as a
-//   decode step's threads read the weights: bytes over its time is the read bandwidth they can have.
+//   decode step's threads read the weights, prefetching `ahead` bytes on as the kernels may: bytes over
+//   its time, at its best distance, is the read bandwidth they can have.
 // - int8_peak: the variant's int8 dot product (simd::dot_block) on weights in registers and inputs in
 //   L1, several independent chains at once: the multiply-adds a second that the block kernels' inner
 //   loop could reach were memory free.
@@ -19,8 +20,9 @@ inline double seconds_now() {
 }
 
 // Seconds of one read of `bytes` bytes at p (64-byte aligned, a multiple of 256 bytes), split evenly
-// among the threads; *sink receives a value that depends on every byte, so that no read is elided.
-inline double read_pass(const float* p, int64_t bytes, float* sink) {
+// among the threads, each prefetching `ahead` bytes on (0: none); *sink receives a value that depends on
+// every byte, so that no read is elided.
+inline double read_pass(const float* p, int64_t bytes, int64_t ahead, float* sink) {
     const int64_t floats = bytes / 4, T = WAFER_NUM_THREADS();
     const int64_t part = (floats / T) / 64 * 64;
     std::vector<float> sums(static_cast<size_t>(T), 0.0f);
@@ -29,7 +31,10 @@ inline double read_pass(const float* p, int64_t bytes, float* sink) {
         for (int64_t t = t0_; t < t1_; ++t) {
             const float* q = p + t * part;
             simd::F a = simd::zero(), b = a, c = a, d = a;
+            const char* fetch = reinterpret_cast<const char*>(q) + ahead;
             for (int64_t i = 0; i < part; i += 64) {
+                if (ahead)
+                    for (int64_t line = 0; line < 256; line += 64) __builtin_prefetch(fetch + 4 * i + line, 0, kNoReuse);
                 a = a + simd::load(q + i);
                 b = b + simd::load(q + i + 16);
                 c = c + simd::load(q + i + 32);

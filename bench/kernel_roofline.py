@@ -82,7 +82,7 @@ def main() -> None:
             for t in (1, args.threads):
                 torch.set_num_threads(t)
                 run = tuner.stream_runner(module, packed, shape)
-                gbps = tuner.shape_gbps(shape, median_seconds(lambda: run(-1), args.repeats))
+                gbps = packed.numel() / median_seconds(lambda: run(-1), args.repeats) / 1e9
                 cells.append(f"{gbps:.1f} ({gbps / read[t]:.0%})")
                 del run
                 gc.collect()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import PROMPT, table  # noqa: E402
-from bench.decode import THREADS, concurrent, cpu_model, gguf_step_bytes, read_bandwidth, step_bytes, wafer_runner  # noqa: E402
+from bench.decode import THREADS, concurrent, gguf_step_bytes, read_bandwidth, step_bytes, wafer_runner  # noqa: E402
 
 LONG = (1024, 4096)
 
@@ -128,7 +128,7 @@ def main() -> None:
     c = cpu()
     tuned = build.tuned(variant) if variant else None
     rows = [r for tier in args.tiers.split(",") if (r := measure_tier(tier, args, peak))]
-    print(f"CPU: {c.describe()}, {cpu_model()}, {os.cpu_count()} cores; {build.features_line()}")
+    print(f"CPU: {c.describe()}, {os.cpu_count()} cores; {build.features_line()}")
     print(f"wafer kernels: {variant or 'off'}; {tuned.summary() if tuned else 'not tuned for this CPU'}; "
           f"{THREADS} threads; int8 peak measured: {peak / 1e9:.0f} GOPS")
     print(f"decode: {args.tokens} new tokens, median of {args.repeats} rounds; TTFT: median of {args.long_repeats}")

@@ -41,7 +41,7 @@ def test_the_tuner_keeps_the_fastest_candidate_when_the_others_are_made_slow(act
     module, _ = active
     shape, packed = max(smollm_shapes.items(), key=lambda kv: kv[1].numel())
     run = tuner.stream_runner(module, packed, shape, total=32 << 20)
-    cands = tuner.candidates(shape)
+    cands = tuner.candidates(packed)
     for fast in (cands[0], cands[-1]):
         def slowed(ahead: int, fast: int = fast) -> float:
             return sum(run(ahead) for _ in range(1 if ahead == fast else 5))
@@ -52,7 +52,7 @@ def test_the_tuner_keeps_the_fastest_candidate_when_the_others_are_made_slow(act
             times = tuner.time_candidates(slowed, cands, rounds=5)
         finally:
             torch.set_num_threads(threads)
-        assert tuner.choose(times, tuner.default_ahead(shape)) == fast
+        assert tuner.choose(times, tuner.default_ahead(packed)) == fast
 
 
 def test_the_default_stays_unless_another_is_clearly_faster():
@@ -64,10 +64,13 @@ def test_the_default_stays_unless_another_is_clearly_faster():
     assert tuner.choose({0: [0.6, 0.7, 0.8, 1.1, 1.3], 4096: [0.9, 1.0, 1.0, 1.2, 1.4]}, 4096) == 4096
 
 
-def test_candidates_hold_none_and_the_default():
-    shape = Shape(44, 17920, 1536)
-    assert tuner.default_ahead(shape) == 6 * 2368
-    assert tuner.candidates(shape)[0] == 0 and tuner.default_ahead(shape) in tuner.candidates(shape)
+def test_candidates_hold_none_and_the_kernels_own_default(active, smollm_shapes, clean_table):
+    module = clean_table
+    module.set_prefetch([])
+    for shape, packed in smollm_shapes.items():
+        assert tuner.default_ahead(packed) == module.prefetch_ahead(shape.fmt, shape.out, shape.inp)
+        assert tuner.candidates(packed)[0] == 0 and tuner.default_ahead(packed) in tuner.candidates(packed)
+    assert tuner.default_ahead(smollm_shapes[Shape(4, 576, 1536)]) == 48 * 320  # 1536 / 32 records of 320 bytes
 
 
 def _tuning(name: str, ahead: int, **key_changes: str) -> Tuning:
@@ -122,8 +125,8 @@ def test_every_distance_computes_the_same_product(variant, smollm_shapes):
     module = build.load(variant)
     for shape, packed in smollm_shapes.items():
         x = torch.randn(3, shape.inp)
-        want = module.block_linear(x, packed, shape.out, tuner.default_ahead(shape))
-        for ahead in tuner.candidates(shape) + [64, 100_000]:
+        want = module.block_linear(x, packed, shape.out, tuner.default_ahead(packed))
+        for ahead in tuner.candidates(packed) + [64, 100_000]:
             assert torch.equal(module.block_linear(x, packed, shape.out, ahead), want), (shape, ahead)
 
 

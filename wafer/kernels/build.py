@@ -39,6 +39,7 @@ from types import ModuleType
 import torch
 
 from wafer.kernels import tuning
+from wafer.kernels.machine import cpu
 
 log = logging.getLogger("wafer.kernels")
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
@@ -74,12 +75,8 @@ def machine() -> str:
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags as Linux names them (x86 `flags`, ARM `Features`); on macOS the
     few that matter here, from sysctl."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    if flags := cpu().flags:
+        return frozenset(flags)
     if sys.platform == "darwin":
         found = set()
         for feature, name in (("FEAT_DotProd", "asimddp"), ("FEAT_I8MM", "i8mm")):

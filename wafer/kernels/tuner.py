@@ -38,17 +38,16 @@ PROBE_BYTES = 512 << 20  # the read-bandwidth buffer
 FIXED_DISTANCES = (0, 1024, 4096, 16384)  # bytes; 0: no software prefetch
 ROUNDS = 5
 MARGIN = 0.03  # a candidate must beat the default by this share of its time to replace it
-RECORD = {4: (32, 320), 5: (32, 384), 6: (32, 448), 8: (32, 576), 44: (256, 2368), 66: (256, 3360)}  # blockquant.h
 
 
-def default_ahead(shape: Shape) -> int:
-    """The distance an untuned shape takes (blockquant.h's group_row_bytes): one group's row."""
-    inputs, size = RECORD[shape.fmt]
-    return shape.inp // inputs * size
+def default_ahead(packed: torch.Tensor) -> int:
+    """The distance an untuned shape takes (blockquant.h's group_row_bytes): one group's row of records,
+    [groups, records, record bytes] as packed."""
+    return int(packed.shape[1] * packed.shape[2])
 
 
-def candidates(shape: Shape) -> list[int]:
-    return sorted({*FIXED_DISTANCES, default_ahead(shape)})
+def candidates(packed: torch.Tensor) -> list[int]:
+    return sorted({*FIXED_DISTANCES, default_ahead(packed)})
 
 
 def choose(times: dict[int, list[float]], default: int, margin: float = MARGIN) -> int:
@@ -134,24 +133,19 @@ def tune(module: ModuleType, variant: str, shapes: dict[Shape, torch.Tensor], th
     try:
         for shape, packed in sorted(shapes.items(), key=lambda kv: (kv[0].fmt, kv[0].out, kv[0].inp)):
             run = stream_runner(module, packed, shape)
-            times = time_candidates(run, candidates(shape), rounds)
-            default = default_ahead(shape)
+            times = time_candidates(run, candidates(packed), rounds)
+            default = default_ahead(packed)
             chosen = choose(times, default)
             median = {c: statistics.median(ts) for c, ts in times.items()}
             tuning.shapes.append(ShapeTuning(shape, chosen, default, median[default] / median[chosen]))
             say(f"  format {shape.fmt:>2}, {shape.out:>6} x {shape.inp:<5}: " +
-                "  ".join(f"{c}: {shape_gbps(shape, median[c]):.1f}" for c in sorted(median)) +
+                "  ".join(f"{c}: {packed.numel() / median[c] / 1e9:.1f}" for c in sorted(median)) +
                 f" GB/s -> {chosen}")
             del run
             gc.collect()
     finally:
         torch.set_num_threads(before)
     return tuning
-
-
-def shape_gbps(shape: Shape, seconds: float) -> float:
-    inputs, size = RECORD[shape.fmt]
-    return -(-shape.out // 16) * (shape.inp // inputs) * size / seconds / 1e9
 
 
 def installed_shapes() -> dict[Shape, torch.Tensor]:

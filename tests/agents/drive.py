@@ -14,8 +14,11 @@ SMALL = Limits(cpu_seconds=2, wall_seconds=5, memory_bytes=256 * 2**20, processe
 
 
 def drive(code: str, tools: Sequence[ToolSpec] = (), limits: Limits | None = SMALL,
-          answer: Callable[[ToolCall], str] = lambda c: "ok") -> tuple[ProgramResult, list[list[ToolCall]]]:
-    """The program's result and its pauses (each the list of calls advance() returned at once)."""
+          answer: Callable[[ToolCall], str] = lambda c: "ok",
+          loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+          ) -> tuple[ProgramResult, list[list[ToolCall]]]:
+    """The program's result and its pauses (each the list of calls advance() returned at once), on
+    asyncio's own event loop or on `loop_factory`'s (uvloop's, as the server runs on)."""
 
     async def run() -> tuple[ProgramResult, list[list[ToolCall]]]:
         program = await Program.start(code, list(tools), limits)
@@ -30,7 +33,8 @@ def drive(code: str, tools: Sequence[ToolSpec] = (), limits: Limits | None = SMA
         finally:
             await program.kill()
 
-    return asyncio.run(run())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(run())
 
 
 def children(pid: int) -> set[int]:

@@ -134,7 +134,7 @@ def test_kill_frees_the_processes():
         return pids, wait_gone(pids), await p.advance()
 
     pids, left, after = asyncio.run(run())
-    assert len(pids) >= 3  # bwrap, its PID-namespace init, the runner
+    assert len(pids) >= 2  # bwrap and the runner, its PID namespace's init
     assert left == set()
     assert after.status == "incomplete" and after.error == "killed"
 

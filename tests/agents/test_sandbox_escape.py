@@ -262,8 +262,26 @@ except Exception as e:
 def test_proc_shows_only_the_sandbox():
     result, _ = drive("import os\ntext(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
     pids = [int(p) for p in result.result.strip("[]\n").split(",")]
-    assert pids == [1, 2]  # bwrap's init and the runner; none of the host's
+    assert pids == [1]  # the runner, the PID namespace's init; none of the host's
     assert_blocked(read(f"/proc/{os.getpid()}/cmdline"))
+
+
+def test_proc_1_shows_nothing_of_the_host(env_secret):
+    """/proc/1 is the sandbox's init: bwrap's own would show its argv (the host's paths and binds),
+    the server's PATH and the server's working directory."""
+    code = """
+import os
+text(open('/proc/1/cmdline', 'rb').read().split(b'\\0')[:6])
+text(open('/proc/1/environ', 'rb').read().split(b'\\0'))
+text(os.readlink('/proc/1/cwd'))
+"""
+    result, _ = drive(code)
+    assert result.status == "completed", result.error
+    cmdline, environ, cwd = result.result.splitlines()
+    assert "bwrap" not in cmdline and "--ro-bind" not in cmdline and "-I" in cmdline  # the runner's own
+    assert environ == "[b'HOME=/tmp', b'PATH=" + os.path.join(interpreter().prefix, "bin") + "', b'PWD=/tmp', b'']"
+    assert env_secret not in result.result and os.environ["PATH"] not in result.result
+    assert cwd == "/tmp"
 
 
 def test_signal_a_host_process():
@@ -487,32 +505,84 @@ for i, target in enumerate(({wafer.__file__!r}, {str(state_db)!r}, '/etc/shadow'
     assert result.result.splitlines() == ["BLOCKED:FileNotFoundError"] * 3
 
 
-def test_inherited_file_descriptors(state_db):
-    secret_fd = os.open(state_db, os.O_RDONLY)
-    os.set_inheritable(secret_fd, True)  # inheritable, and still must not get in
+# What a program finds among its descriptors: each open one's link and, for a socket, its family;
+# then it tries to accept on every socket, and to read and write every one above stderr that is not
+# its event loop's own.
+PROBE_FDS = """
+import os, socket
+report = []
+for fd in range(1024):
     try:
-        code = """
-import os
-for fd in sorted(int(x) for x in os.listdir('/proc/self/fd')):
-    try:
-        text(fd, os.readlink(f'/proc/self/fd/{fd}'))
+        os.fstat(fd)
     except OSError:
-        pass
-for fd in range(3, 65):
-    try:
-        text('DATA', fd, os.pread(fd, 4096, 0))
-    except OSError:
-        pass
+        continue
+    link = os.readlink(f'/proc/self/fd/{fd}')
+    family = None
+    if link.startswith('socket:'):
+        s = socket.socket(fileno=os.dup(fd))
+        family = s.family.name
+        s.setblocking(False)
+        try:
+            conn, _ = s.accept()
+            conn.sendall(b'HTTP/1.0 200 OK\\r\\n\\r\\npwned')
+            report.append(f'ACCEPTED {fd}')
+        except OSError:
+            pass
+        s.close()
+    report.append(f'FD {fd} {link} {family}')
+    if fd > 2 and link != 'anon_inode:[eventpoll]' and family != 'AF_UNIX':  # not its event loop's own
+        for what, attempt in (('READ', lambda: os.pread(fd, 4096, 0)), ('WROTE', lambda: os.write(fd, b'pwned'))):
+            try:
+                report.append(f'{what} {fd} {attempt()!r}')
+            except OSError:
+                pass
+text('\\n'.join(report))
 """
-        result, _ = drive(code)
-    finally:
-        os.close(secret_fd)
-    assert SECRET not in result.result
-    links = [line.split(" ", 1)[1] for line in result.result.splitlines() if not line.startswith("DATA")]
-    for link in links:
-        # pipes to the parent, the event loop's own epoll and socketpair, /dev/null, the listing itself
-        assert link.startswith(("pipe:", "socket:", "anon_inode:", "/dev/null", "/proc/")), link
-    assert not any(line.startswith("DATA") for line in result.result.splitlines())
+
+
+@pytest.fixture()
+def inheritable(state_db):
+    """What a server launched from a careless shell holds: a host file open for reading and writing,
+    and a listening TCP socket with a connection waiting, all inheritable."""
+    opened = os.open(state_db, os.O_RDWR | os.O_APPEND)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = socket.create_connection(listener.getsockname())  # waits in the listener's backlog
+    for fd in (opened, listener.fileno()):
+        os.set_inheritable(fd, True)
+    yield state_db, listener
+    client.close()
+    listener.close()
+    os.close(opened)
+
+
+def only_its_pipes(report: str) -> list[str]:
+    """The program's three standard descriptors are pipes; any other it has is its event loop's own
+    (an epoll and a socketpair of AF_UNIX sockets), none of the host's."""
+    fds = [line.split() for line in report.splitlines() if line.startswith("FD ")]
+    assert [(fd, link.split(":")[0]) for _, fd, link, _ in fds[:3]] == [("0", "pipe"), ("1", "pipe"), ("2", "pipe")], report
+    others = [(link, family) for _, fd, link, family in fds[3:]]
+    assert all(link == "anon_inode:[eventpoll]" or family == "AF_UNIX" for link, family in others), report
+    return others
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_inherited_file_descriptors(inheritable, loop):
+    """uvloop's spawner ignores close_fds: the server (which runs on uvloop) must not hand a program
+    its descriptors."""
+    import uvloop
+
+    state_db, listener = inheritable
+    result, _ = drive(PROBE_FDS, loop_factory=uvloop.new_event_loop if loop == "uvloop" else None)
+    assert result.status == "completed", result.error
+    only_its_pipes(result.result)
+    assert not any(line.startswith(("ACCEPTED", "READ", "WROTE")) for line in result.result.splitlines()), result.result
+    assert SECRET not in result.result and str(state_db) not in result.result
+    assert state_db.read_text() == f"response resp_1 api_key={SECRET}\n"  # nothing appended
+    listener.settimeout(2)
+    conn, _ = listener.accept()  # the waiting connection is still there: no program took it
+    conn.close()
 
 
 def test_protocol_cannot_be_forged_through_print():

@@ -161,3 +161,13 @@ def test_tool_names_must_be_python_names():
         asyncio.run(Program.start("pass", [ToolSpec("get-weather", {})]))
     with pytest.raises(ValueError):
         asyncio.run(Program.start("pass", [ToolSpec("text", {})]))
+
+
+def test_print_takes_prints_keywords():
+    code = ("import sys\n"
+            "print('a', 'b', sep='-', end='!\\n', flush=True)\n"
+            "print('to stderr', file=sys.stderr, flush=True)\n"
+            "print('c', file=sys.stdout)\n"
+            "print(1, 2, sep=None, end=None)\n")
+    result, _ = drive(code)
+    assert result == ProgramResult("completed", "a-b!\nc\n1 2\n", None)

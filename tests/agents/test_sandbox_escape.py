@@ -3,6 +3,8 @@ reports what it could observe, and the test asserts that no secret got in and no
 After each, the host is checked: no process left behind, the test process's files intact."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import secrets
 import shutil
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import wafer
-from tests.agents.drive import SMALL, children, drive, wait_gone
+from tests.agents.drive import PROBE_FDS, SMALL, children, drive, only_its_pipes, wait_gone
+from wafer.agents.program import Program, ProgramResult
 from wafer.agents.sandbox import Limits, interpreter
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make test installs it)")
@@ -384,6 +387,76 @@ def test_memory_bomb():
     assert "MemoryError" in result.error and f"memory limit ({SMALL.memory_bytes} bytes)" in result.error
 
 
+# Memory outside the address space: memfds and /tmp's tmpfs (each memfd under RLIMIT_FSIZE), and
+# forked children each under RLIMIT_AS. The program's memory cgroup counts them all.
+MEMFDS = """
+import os
+fds = []
+while len(fds) < 32:  # 1 GiB, in files as large as RLIMIT_FSIZE lets them be
+    fd = os.memfd_create('hold')
+    for _ in range(32):
+        assert os.write(fd, b'x' * 2**20) == 2**20
+    fds.append(fd)
+text('held', len(fds) * 32, 'MiB')
+"""
+FORKED = """
+import os, time
+for _ in range(8):  # 8 x 200 MiB, each child under the address-space limit
+    if os.fork() == 0:
+        blocks = [bytearray(2**20) for _ in range(200)]
+        time.sleep(3)
+        os._exit(0)
+time.sleep(2)
+text('alive')
+"""
+
+
+def peak_of(code: str, limits: Limits = SMALL) -> tuple[ProgramResult, int]:
+    """The program's result and the most memory its cgroup was charged at once."""
+
+    async def run() -> tuple[ProgramResult, int]:
+        program = await Program.start(code, [], limits)
+        try:
+            result = await program.advance()
+            assert isinstance(result, ProgramResult)
+            return result, program.memory_peak
+        finally:
+            await program.kill()
+
+    return asyncio.run(run())
+
+
+def test_memfd_bomb():
+    result, peak = peak_of(MEMFDS, dataclasses.replace(SMALL, file_bytes=32 * 2**20))
+    assert result.status == "incomplete" and "held" not in result.result, result
+    assert f"memory limit ({SMALL.memory_bytes} bytes) reached" in result.error and "memfd" in result.error
+    assert peak <= SMALL.memory_bytes
+
+
+def test_tmpfs_and_page_cache_count():
+    """/tmp's pages and the page cache of a file read back are the program's memory too: with /tmp as
+    large as the limit, filling it is stopped by the memory limit before the tmpfs is full."""
+    limits = Limits(cpu_seconds=2, wall_seconds=5, memory_bytes=64 * 2**20, file_bytes=16 * 2**20, tmp_bytes=256 * 2**20)
+    code = """
+n = 0
+while n < 20:
+    with open(f'/tmp/fill{n}', 'wb') as f:
+        f.write(b'x' * (10 * 2**20))
+    n += 1
+text('wrote', n * 10, 'MiB')
+"""
+    result, peak = peak_of(code, limits)
+    assert result.status == "incomplete" and "wrote" not in result.result, result
+    assert f"memory limit ({limits.memory_bytes} bytes) reached" in result.error
+    assert peak <= limits.memory_bytes
+
+
+def test_forked_children_share_one_memory_limit():
+    result, peak = peak_of(FORKED)
+    assert peak <= SMALL.memory_bytes  # not 8 x 200 MiB
+    assert result.status == "incomplete" or result.result.strip() == "alive"  # the children were what died
+
+
 def test_cpu_loop():
     result, _ = drive("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n",
                       limits=Limits(cpu_seconds=1, wall_seconds=10))
@@ -505,41 +578,6 @@ for i, target in enumerate(({wafer.__file__!r}, {str(state_db)!r}, '/etc/shadow'
     assert result.result.splitlines() == ["BLOCKED:FileNotFoundError"] * 3
 
 
-# What a program finds among its descriptors: each open one's link and, for a socket, its family;
-# then it tries to accept on every socket, and to read and write every one above stderr that is not
-# its event loop's own.
-PROBE_FDS = """
-import os, socket
-report = []
-for fd in range(1024):
-    try:
-        os.fstat(fd)
-    except OSError:
-        continue
-    link = os.readlink(f'/proc/self/fd/{fd}')
-    family = None
-    if link.startswith('socket:'):
-        s = socket.socket(fileno=os.dup(fd))
-        family = s.family.name
-        s.setblocking(False)
-        try:
-            conn, _ = s.accept()
-            conn.sendall(b'HTTP/1.0 200 OK\\r\\n\\r\\npwned')
-            report.append(f'ACCEPTED {fd}')
-        except OSError:
-            pass
-        s.close()
-    report.append(f'FD {fd} {link} {family}')
-    if fd > 2 and link != 'anon_inode:[eventpoll]' and family != 'AF_UNIX':  # not its event loop's own
-        for what, attempt in (('READ', lambda: os.pread(fd, 4096, 0)), ('WROTE', lambda: os.write(fd, b'pwned'))):
-            try:
-                report.append(f'{what} {fd} {attempt()!r}')
-            except OSError:
-                pass
-text('\\n'.join(report))
-"""
-
-
 @pytest.fixture()
 def inheritable(state_db):
     """What a server launched from a careless shell holds: a host file open for reading and writing,
@@ -555,16 +593,6 @@ def inheritable(state_db):
     client.close()
     listener.close()
     os.close(opened)
-
-
-def only_its_pipes(report: str) -> list[str]:
-    """The program's three standard descriptors are pipes; any other it has is its event loop's own
-    (an epoll and a socketpair of AF_UNIX sockets), none of the host's."""
-    fds = [line.split() for line in report.splitlines() if line.startswith("FD ")]
-    assert [(fd, link.split(":")[0]) for _, fd, link, _ in fds[:3]] == [("0", "pipe"), ("1", "pipe"), ("2", "pipe")], report
-    others = [(link, family) for _, fd, link, family in fds[3:]]
-    assert all(link == "anon_inode:[eventpoll]" or family == "AF_UNIX" for link, family in others), report
-    return others
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

@@ -79,6 +79,7 @@ def find() -> Hierarchy | str:
                                "run the server in a cgroup whose subtree_control has memory (systemd: Delegate=yes)")
                 continue
         if _writable_dir(parent):
+            sweep(parent)
             return Hierarchy(2, parent)
         reasons.append(f"cgroup v2 at {parent} is not writable by this user")
     own1 = _own_path("memory")
@@ -86,9 +87,21 @@ def find() -> Hierarchy | str:
         if "memory" in options and own1 is not None:
             parent = Path(where + own1)
             if _writable_dir(parent):
+                sweep(parent)
                 return Hierarchy(1, parent)
             reasons.append(f"the cgroup v1 memory hierarchy at {parent} is not writable by this user")
     return "; ".join(reasons) or "no memory cgroup controller is mounted"
+
+
+def sweep(parent: Path) -> None:
+    """Removes the empty cgroups that servers which died left behind (named for their pid)."""
+    for d in parent.glob(PREFIX + "*"):
+        pid = d.name.removeprefix(PREFIX).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def check() -> str | None:

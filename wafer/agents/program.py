@@ -108,22 +108,20 @@ class Program:
             pool.admit()  # counts the program from here: starts that wait on the spawn below count too
         try:
             process, in_w, out_r, err_r = await spawn(["-c", RUNNER_SOURCE, json.dumps(rlimits(limits))], limits)
-        except BaseException:
+            loop = asyncio.get_running_loop()
+            transports, readers = [], []
+            for fd in (out_r, err_r):
+                reader = asyncio.StreamReader(limit=MAX_MESSAGE_BYTES)
+                transport, _ = await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r),
+                                                            os.fdopen(fd, "rb", 0))
+                transports.append(transport)
+                readers.append(reader)
+            program = cls(process, in_w, readers[0], transports, readers[1], tools, limits, pool)
+            if pool is not None:
+                pool.programs.add(program)  # counted as itself from now on
+        finally:
             if pool is not None:
                 pool.release()
-            raise
-        loop = asyncio.get_running_loop()
-        transports = []
-        readers = []
-        for fd in (out_r, err_r):
-            reader = asyncio.StreamReader(limit=MAX_MESSAGE_BYTES)
-            transport, _ = await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r), os.fdopen(fd, "rb", 0))
-            transports.append(transport)
-            readers.append(reader)
-        program = cls(process, in_w, readers[0], transports, readers[1], tools, limits, pool)
-        if pool is not None:
-            pool.programs.add(program)
-            pool.release()  # counted as a program from now on
         try:
             if len(code.encode()) > MAX_CODE_BYTES:
                 raise _Stop(f"program over {MAX_CODE_BYTES} bytes")
@@ -188,14 +186,14 @@ class Program:
             return
         group = self._process.cgroup
         held = min(self._limits.memory_bytes, group.usage() + PARK_MARGIN_BYTES)
-        if self._pool is not None and refuse:
-            why = self._pool.parking_refused(held)
-            if why is not None:
-                raise _Stop(why)
         try:
             group.set_limit(held)
         except OSError:  # the kernel could not reclaim down to it: it holds its whole limit
             held = self._limits.memory_bytes
+        if self._pool is not None and refuse:
+            why = self._pool.parking_refused(held)
+            if why is not None:
+                raise _Stop(why)  # and it ends: the lowered limit does not matter
         self.holds, self.parked_bytes = "parked", held
 
     def unpark(self) -> None:

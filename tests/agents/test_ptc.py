@@ -315,15 +315,17 @@ def test_a_program_sees_only_its_three_pipes_whatever_the_server_holds(tight):
 HOLD = """
 import os, time
 fds = []
+chunk = b'x' * 2**20
 def hold(mib):
     for _ in range(mib // 10):
         fd = os.memfd_create('hold')
-        os.write(fd, b'x' * (10 * 2**20))
+        for _ in range(10):
+            os.write(fd, chunk)
         fds.append(fd)
 """
 GREEDY = HOLD + """
 hold(100)
-time.sleep(1.5)
+time.sleep(2)
 hold(1024)
 text('held 1 GiB')
 """
@@ -383,6 +385,8 @@ def test_eight_greedy_programs_hold_at_most_the_servers_bound(tight):
 PARKS = HOLD + """
 hold(90)
 text(await get_price(sku='a'))
+hold(10)
+text('grew to 100 MiB')
 """
 
 
@@ -401,9 +405,19 @@ def test_parked_programs_hold_at_most_the_parked_memory(tight):
     # the parked program grows no further while it waits: its cgroup's limit is what it held
     parked = next(iter(pool.parked.values())).program
     assert parked.memory_peak <= held
-    # and it resumes with its whole limit
+    # resuming it needs a running slot like starting one does: without one, a 429, and it stays parked
     call = next(i for i in first.output if i.type == "function_call")
-    r = client.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": run_client_tool(call)}])
-    assert program_output(r).status == "completed" and program_output(r).result.strip() == "{'price': 1.5}"
+    outputs = [{"type": "function_call_output", "call_id": call.call_id, "output": run_client_tool(call)}]
+    pool.max_running = 0
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, input=outputs)
+    finally:
+        pool.max_running = 2
+    assert e.value.body["code"] == "programs_busy" and pool.parked_bytes == held
+    # and it resumes with its whole limit
+    r = client.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, input=outputs)
+    out = program_output(r)
+    assert out.status == "completed", out.model_extra
+    assert out.result.splitlines() == ["{'price': 1.5}", "grew to 100 MiB"]
     assert pool.parked_bytes == 0 and not pool.parked

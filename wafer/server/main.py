@@ -349,7 +349,8 @@ def programs_line() -> str:
     if reason is not None:
         return f"WARNING programmatic tool calling is off: {reason}"
     hierarchy = find()
-    return f"programs: sandboxed, each in a memory cgroup (v{hierarchy.version}) under {hierarchy.parent}"  # type: ignore[union-attr]
+    assert not isinstance(hierarchy, str)  # check_sandbox() found one
+    return f"programs: sandboxed, each in a memory cgroup (v{hierarchy.version}) under {hierarchy.parent}"
 
 
 def serve(args: argparse.Namespace) -> int:

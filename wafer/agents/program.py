@@ -160,7 +160,8 @@ class Program:
         return calls
 
     async def resume(self, outputs: dict[str, str]) -> None:
-        """Gives the program the outputs of every call advance() returned (call_id -> text)."""
+        """Gives the program the outputs of every call advance() returned (call_id -> text); where
+        its pool runs as many programs as it may, first waits for one to park or end."""
         if self._result is not None:
             return
         if not self._parked:
@@ -169,6 +170,10 @@ class Program:
         unknown = sorted(set(outputs) - set(self._batch))
         if missing or unknown:
             raise ValueError(f"outputs must answer exactly the program's calls: missing {missing}, unknown {unknown}")
+        if self._pool is not None:
+            await self._pool.wait_to_run()
+            if self._result is not None:  # freed while it waited (its response deleted, its time up)
+                return
         results = {self._runner_ids.pop(cid): {"value": _output_value(outputs[cid])} for cid in self._batch}
         self._batch.clear()
         self._parked = False
@@ -195,6 +200,8 @@ class Program:
             if why is not None:
                 raise _Stop(why)  # and it ends: the lowered limit does not matter
         self.holds, self.parked_bytes = "parked", held
+        if self._pool is not None:
+            self._pool.freed.set()
 
     def unpark(self) -> None:
         """From parked to running again: its whole memory limit back."""
@@ -376,9 +383,10 @@ class Program:
         if self._peak is None:
             self._peak = self._process.cgroup.peak()
             await asyncio.to_thread(self._process.cgroup.remove)
+        self.holds, self.parked_bytes = "nothing", 0
         if self._pool is not None:
             self._pool.programs.discard(self)
-        self.holds, self.parked_bytes = "nothing", 0
+            self._pool.freed.set()
         try:
             # every writer is dead, so the pipe ends now; reading it to the end closes its transport
             await asyncio.wait_for(asyncio.shield(self._stderr_task), EXIT_GRACE_S)

@@ -88,8 +88,9 @@ _DEFAULTS = ProgramPoolSettings()
 
 @dataclass
 class ProgramPool:
-    """The server's programs: at most `max_running` run at once (one more is a ProgramsBusy, 429);
-    parked ones, waiting for tool outputs, are at most `max_parked` holding at most
+    """The server's programs: at most `max_running` run at once (one more to start is a
+    ProgramsBusy, 429; one to resume waits for a program to park or end, its memory held as it was
+    parked); parked ones, waiting for tool outputs, are at most `max_parked` holding at most
     `parked_memory_bytes` together (one more ends with an error), each for at most `park_seconds`;
     freed when their time runs out, when their response is deleted, and at shutdown."""
 
@@ -100,6 +101,7 @@ class ProgramPool:
     parked: dict[str, Parked] = field(default_factory=dict)  # by program call id
     programs: set[Program] = field(default_factory=set)  # every live program started with this pool
     starting: int = 0  # admitted, not yet live
+    freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when a program parks or ends
     _reaper: asyncio.Task[None] | None = None
 
     @property
@@ -119,6 +121,16 @@ class ProgramPool:
     def release(self) -> None:
         """An admitted program started (it counts as itself now) or failed to."""
         self.starting -= 1
+        self.freed.set()
+
+    async def wait_to_run(self) -> None:
+        """Until fewer than `max_running` run (checked at least once a second: the limit may change)."""
+        while self.running >= self.max_running:
+            self.freed.clear()
+            try:
+                await asyncio.wait_for(self.freed.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
 
     def parking_refused(self, nbytes: int) -> str | None:
         """Why a program holding `nbytes` cannot park, None when it can."""
@@ -139,14 +151,11 @@ class ProgramPool:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     def claim(self, output_ids: set[str]) -> Parked | None:
-        """The parked program that waits on any of these call ids, taken out of the pool and running
-        again; ProgramsBusy (it stays parked) where `max_running` run."""
+        """The parked program that waits on any of these call ids, taken out of the pool (it holds
+        its parked memory until it resumes)."""
         self._expire()
         for key, p in self.parked.items():
             if output_ids & p.pending.keys():
-                if self.running >= self.max_running:
-                    raise ProgramsBusy(self.running)
-                p.program.unpark()
                 return self.parked.pop(key)
         return None
     def drop_response(self, response_id: str) -> None:

@@ -171,3 +171,9 @@ def test_print_takes_prints_keywords():
             "print(1, 2, sep=None, end=None)\n")
     result, _ = drive(code)
     assert result == ProgramResult("completed", "a-b!\nc\n1 2\n", None)
+
+
+def test_a_raw_write_to_stdout_ends_the_program_with_a_reason():
+    code = "import os\nos.write(1, b'not a message\\n')\ntext('after')\n"
+    result, _ = drive(code)
+    assert result.status == "incomplete" and "print through print() or text()" in result.error

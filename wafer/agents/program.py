@@ -293,7 +293,9 @@ class Program:
         try:
             return untrusted_json.loads(line)
         except ValueError:
-            raise _Stop("the program broke its protocol") from None
+            # a line that is not JSON: most likely a raw write to descriptor 1 (a child process's output)
+            raise _Stop("the program broke its protocol: its standard output carries the sandbox's messages, "
+                        "so print through print() or text(), and capture a subprocess's output") from None
 
     async def _send(self, msg: dict, deadline: float) -> None:
         data = (json.dumps(msg) + "\n").encode()

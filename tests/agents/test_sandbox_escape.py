@@ -404,9 +404,9 @@ import os, time
 for _ in range(8):  # 8 x 200 MiB, each child under the address-space limit
     if os.fork() == 0:
         blocks = [bytearray(2**20) for _ in range(200)]
-        time.sleep(3)
+        time.sleep(1)
         os._exit(0)
-time.sleep(2)
+time.sleep(0.5)
 text('alive')
 """
 

@@ -6,14 +6,20 @@ an HTTP error."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
+from tests.agents.drive import PROBE_FDS, only_its_pipes
 from tests.agents.scripted import ScriptedChat
 from tests.serving import start_server
+from wafer.agents import cgroup
 from wafer.agents.ptc import ProgramPool
 from wafer.agents.responses import ResponsesService
 from wafer.agents.sandbox import Limits, check_sandbox
@@ -247,3 +253,171 @@ def test_without_a_sandbox_programmatic_calling_is_refused(ptc, monkeypatch):
     assert e.value.body["code"] == "sandbox_unavailable" and "bwrap is not installed" in e.value.body["message"]
     assert script.turns  # no model turn ran, so no program could
     script.turns.clear()
+
+
+# --- a server started with descriptors of its own, and bounds on programs' memory ---------------
+
+MiB = 2**20
+TIGHT = Limits(cpu_seconds=4, wall_seconds=8, memory_bytes=128 * MiB, output_bytes=64 * 1024)
+
+
+def program_turns(body):
+    """Every request's first turn runs the program its input holds; the turn after ends the response."""
+    last = body["messages"][-1]
+    return [("run_program", {"code": last["content"]})] if last["role"] == "user" else "Done."
+
+
+@pytest.fixture(scope="module")
+def tight(smollm, tmp_path_factory):
+    """A server launched as from a careless shell, holding an inheritable host file open for writing
+    and an inheritable listening socket with a connection waiting, whose programs may use 128 MiB
+    each, two at once, and 200 MiB together while parked."""
+    secret = tmp_path_factory.mktemp("host") / "host-file.txt"
+    secret.write_text("host secret\n")
+    opened = os.open(secret, os.O_RDWR | os.O_APPEND)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    waiting = socket.create_connection(listener.getsockname())
+    for fd in (opened, listener.fileno()):
+        os.set_inheritable(fd, True)
+    pool = ProgramPool(max_running=2, parked_memory_bytes=200 * MiB, park_seconds=60)
+    service = ResponsesService(ScriptedChat([], policy=program_turns),
+                               ResponseStore(tmp_path_factory.mktemp("state") / "state.db"), pool, TIGHT)
+    server = start_server(smollm, names=[MODEL], responses=service)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    yield client, pool, secret, listener
+    server.stop()
+    waiting.close()
+    listener.close()
+    os.close(opened)
+
+
+def program_output(r):
+    return next(i for i in r.output if i.type == "program_output")
+
+
+def test_a_program_sees_only_its_three_pipes_whatever_the_server_holds(tight):
+    client, _, secret, listener = tight
+    r = client.responses.create(model=MODEL, input=PROBE_FDS, tools=TOOLS)
+    out = program_output(r)
+    assert out.status == "completed", out.model_extra
+    only_its_pipes(out.result)
+    assert not any(line.startswith(("ACCEPTED", "READ", "WROTE")) for line in out.result.splitlines()), out.result
+    assert secret.read_text() == "host secret\n"
+    listener.settimeout(5)
+    conn, _ = listener.accept()  # the connection that waited is still the host's to take
+    conn.close()
+
+
+# Holds 100 MiB, then tries for 1 GiB, in memfds: outside the address space, each file under
+# RLIMIT_FSIZE, so that only the memory cgroup can stop it.
+HOLD = """
+import os, time
+fds = []
+chunk = b'x' * 2**20
+def hold(mib):
+    for _ in range(mib // 10):
+        fd = os.memfd_create('hold')
+        for _ in range(10):
+            os.write(fd, chunk)
+        fds.append(fd)
+"""
+GREEDY = HOLD + """
+hold(100)
+time.sleep(2)
+hold(1024)
+text('held 1 GiB')
+"""
+
+
+def cgroups_usage() -> int:
+    """Bytes charged now to every program's memory cgroup of this process's servers."""
+    parent = cgroup.find().parent
+    total = 0
+    for d in parent.glob(cgroup.PREFIX + f"{os.getpid()}-*"):
+        for name in ("memory.current", "memory.usage_in_bytes"):
+            try:
+                total += int((d / name).read_text())
+            except (OSError, ValueError):
+                continue
+    return total
+
+
+def test_eight_greedy_programs_hold_at_most_the_servers_bound(tight):
+    """Eight programs each trying to hold 1 GiB at once: two run (the others get 429 with
+    Retry-After), each killed at its limit with a clear error; the memory charged to all programs
+    together never goes over two programs' limits."""
+    client, pool, _, _ = tight
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], cgroups_usage())
+            time.sleep(0.005)
+
+    def one(_):
+        try:
+            return program_output(client.responses.create(model=MODEL, input=GREEDY, tools=TOOLS))
+        except openai.RateLimitError as e:
+            return e
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(one, range(8)))
+    finally:
+        stop.set()
+        sampler.join()
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    ran = [r for r in results if not isinstance(r, openai.RateLimitError)]
+    assert refused and len(ran) >= 2, results
+    for e in refused:
+        assert e.status_code == 429 and e.body["code"] == "programs_busy" and e.response.headers["retry-after"] == "1"
+    for out in ran:
+        assert out.status == "incomplete" and "held" not in out.result
+        assert f"memory limit ({TIGHT.memory_bytes} bytes) reached" in out.model_extra["error"], out.model_extra
+    assert 100 * MiB < peak[0] <= pool.max_running * TIGHT.memory_bytes, peak[0]
+    assert pool.running == 0 and not pool.programs
+
+
+PARKS = HOLD + """
+hold(90)
+text(await get_price(sku='a'))
+hold(10)
+text('grew to 100 MiB')
+"""
+
+
+def test_parked_programs_hold_at_most_the_parked_memory(tight):
+    """A parked program keeps what it holds, counted against the server's parked memory: the first
+    parks with about 100 MiB, the second would take the total over 200 MiB and ends with an error."""
+    client, pool, _, _ = tight
+    first = client.responses.create(model=MODEL, input=PARKS, tools=TOOLS)
+    assert [i.type for i in first.output] == ["program", "function_call"]
+    held = pool.parked_bytes
+    assert 90 * MiB < held <= TIGHT.memory_bytes
+    second = client.responses.create(model=MODEL, input=PARKS, tools=TOOLS)
+    out = program_output(second)
+    assert out.status == "incomplete" and "waiting on this server would hold more than 209715200 bytes" in \
+        out.model_extra["error"], out.model_extra
+    # the parked program grows no further while it waits: its cgroup's limit is what it held
+    parked = next(iter(pool.parked.values())).program
+    assert parked.memory_peak <= held
+    # resuming it needs a running slot: without one it waits, holding what it held while parked
+    call = next(i for i in first.output if i.type == "function_call")
+    outputs = [{"type": "function_call_output", "call_id": call.call_id, "output": run_client_tool(call)}]
+    pool.max_running = 0
+    with ThreadPoolExecutor(1) as ex:
+        resumed = ex.submit(client.responses.create, model=MODEL, previous_response_id=first.id, tools=TOOLS,
+                            input=outputs)
+        time.sleep(1.5)
+        assert not resumed.done() and parked.holds == "parked" and pool.parked_bytes == held
+        pool.max_running = 2
+        r = resumed.result(timeout=30)
+    # and it runs with its whole limit again
+    out = program_output(r)
+    assert out.status == "completed", out.model_extra
+    assert out.result.splitlines() == ["{'price': 1.5}", "grew to 100 MiB"]
+    assert pool.parked_bytes == 0 and not pool.parked

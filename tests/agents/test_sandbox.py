@@ -33,7 +33,7 @@ def test_without_bwrap_programs_are_refused(no_bwrap, tmp_path):
     with pytest.raises(SandboxUnavailable, match="bubblewrap"):
         asyncio.run(Program.start(f"open({str(marker)!r}, 'w').write('ran')", []))
     with pytest.raises(SandboxUnavailable):
-        asyncio.run(sandbox.spawn(["-c", f"open({str(marker)!r}, 'w').write('ran')"], Limits(), ()))
+        asyncio.run(sandbox.spawn(["-c", f"open({str(marker)!r}, 'w').write('ran')"], Limits()))
     assert not marker.exists()
 
 

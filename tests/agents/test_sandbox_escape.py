@@ -3,6 +3,8 @@ reports what it could observe, and the test asserts that no secret got in and no
 After each, the host is checked: no process left behind, the test process's files intact."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import secrets
 import shutil
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import wafer
-from tests.agents.drive import SMALL, children, drive, wait_gone
+from tests.agents.drive import PROBE_FDS, SMALL, children, drive, only_its_pipes, wait_gone
+from wafer.agents.program import Program, ProgramResult
 from wafer.agents.sandbox import Limits, interpreter
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make test installs it)")
@@ -262,8 +265,26 @@ except Exception as e:
 def test_proc_shows_only_the_sandbox():
     result, _ = drive("import os\ntext(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
     pids = [int(p) for p in result.result.strip("[]\n").split(",")]
-    assert pids == [1, 2]  # bwrap's init and the runner; none of the host's
+    assert pids == [1]  # the runner, the PID namespace's init; none of the host's
     assert_blocked(read(f"/proc/{os.getpid()}/cmdline"))
+
+
+def test_proc_1_shows_nothing_of_the_host(env_secret):
+    """/proc/1 is the sandbox's init: bwrap's own would show its argv (the host's paths and binds),
+    the server's PATH and the server's working directory."""
+    code = """
+import os
+text(open('/proc/1/cmdline', 'rb').read().split(b'\\0')[:6])
+text(open('/proc/1/environ', 'rb').read().split(b'\\0'))
+text(os.readlink('/proc/1/cwd'))
+"""
+    result, _ = drive(code)
+    assert result.status == "completed", result.error
+    cmdline, environ, cwd = result.result.splitlines()
+    assert "bwrap" not in cmdline and "--ro-bind" not in cmdline and "-I" in cmdline  # the runner's own
+    assert environ == "[b'HOME=/tmp', b'PATH=" + os.path.join(interpreter().prefix, "bin") + "', b'PWD=/tmp', b'']"
+    assert env_secret not in result.result and os.environ["PATH"] not in result.result
+    assert cwd == "/tmp"
 
 
 def test_signal_a_host_process():
@@ -364,6 +385,76 @@ def test_memory_bomb():
     result, _ = drive("blocks = []\nwhile True:\n    blocks.append(bytearray(2**24))\n")
     assert result.status == "incomplete"
     assert "MemoryError" in result.error and f"memory limit ({SMALL.memory_bytes} bytes)" in result.error
+
+
+# Memory outside the address space: memfds and /tmp's tmpfs (each memfd under RLIMIT_FSIZE), and
+# forked children each under RLIMIT_AS. The program's memory cgroup counts them all.
+MEMFDS = """
+import os
+fds = []
+while len(fds) < 32:  # 1 GiB, in files as large as RLIMIT_FSIZE lets them be
+    fd = os.memfd_create('hold')
+    for _ in range(32):
+        assert os.write(fd, b'x' * 2**20) == 2**20
+    fds.append(fd)
+text('held', len(fds) * 32, 'MiB')
+"""
+FORKED = """
+import os, time
+for _ in range(8):  # 8 x 200 MiB, each child under the address-space limit
+    if os.fork() == 0:
+        blocks = [bytearray(2**20) for _ in range(200)]
+        time.sleep(1)
+        os._exit(0)
+time.sleep(0.5)
+text('alive')
+"""
+
+
+def peak_of(code: str, limits: Limits = SMALL) -> tuple[ProgramResult, int]:
+    """The program's result and the most memory its cgroup was charged at once."""
+
+    async def run() -> tuple[ProgramResult, int]:
+        program = await Program.start(code, [], limits)
+        try:
+            result = await program.advance()
+            assert isinstance(result, ProgramResult)
+            return result, program.memory_peak
+        finally:
+            await program.kill()
+
+    return asyncio.run(run())
+
+
+def test_memfd_bomb():
+    result, peak = peak_of(MEMFDS, dataclasses.replace(SMALL, file_bytes=32 * 2**20))
+    assert result.status == "incomplete" and "held" not in result.result, result
+    assert f"memory limit ({SMALL.memory_bytes} bytes) reached" in result.error and "memfd" in result.error
+    assert peak <= SMALL.memory_bytes
+
+
+def test_tmpfs_and_page_cache_count():
+    """/tmp's pages and the page cache of a file read back are the program's memory too: with /tmp as
+    large as the limit, filling it is stopped by the memory limit before the tmpfs is full."""
+    limits = Limits(cpu_seconds=2, wall_seconds=5, memory_bytes=64 * 2**20, file_bytes=16 * 2**20, tmp_bytes=256 * 2**20)
+    code = """
+n = 0
+while n < 20:
+    with open(f'/tmp/fill{n}', 'wb') as f:
+        f.write(b'x' * (10 * 2**20))
+    n += 1
+text('wrote', n * 10, 'MiB')
+"""
+    result, peak = peak_of(code, limits)
+    assert result.status == "incomplete" and "wrote" not in result.result, result
+    assert f"memory limit ({limits.memory_bytes} bytes) reached" in result.error
+    assert peak <= limits.memory_bytes
+
+
+def test_forked_children_share_one_memory_limit():
+    result, peak = peak_of(FORKED)
+    assert peak <= SMALL.memory_bytes  # not 8 x 200 MiB
+    assert result.status == "incomplete" or result.result.strip() == "alive"  # the children were what died
 
 
 def test_cpu_loop():
@@ -487,32 +578,39 @@ for i, target in enumerate(({wafer.__file__!r}, {str(state_db)!r}, '/etc/shadow'
     assert result.result.splitlines() == ["BLOCKED:FileNotFoundError"] * 3
 
 
-def test_inherited_file_descriptors(state_db):
-    secret_fd = os.open(state_db, os.O_RDONLY)
-    os.set_inheritable(secret_fd, True)  # inheritable, and still must not get in
-    try:
-        code = """
-import os
-for fd in sorted(int(x) for x in os.listdir('/proc/self/fd')):
-    try:
-        text(fd, os.readlink(f'/proc/self/fd/{fd}'))
-    except OSError:
-        pass
-for fd in range(3, 65):
-    try:
-        text('DATA', fd, os.pread(fd, 4096, 0))
-    except OSError:
-        pass
-"""
-        result, _ = drive(code)
-    finally:
-        os.close(secret_fd)
-    assert SECRET not in result.result
-    links = [line.split(" ", 1)[1] for line in result.result.splitlines() if not line.startswith("DATA")]
-    for link in links:
-        # pipes to the parent, the event loop's own epoll and socketpair, /dev/null, the listing itself
-        assert link.startswith(("pipe:", "socket:", "anon_inode:", "/dev/null", "/proc/")), link
-    assert not any(line.startswith("DATA") for line in result.result.splitlines())
+@pytest.fixture()
+def inheritable(state_db):
+    """What a server launched from a careless shell holds: a host file open for reading and writing,
+    and a listening TCP socket with a connection waiting, all inheritable."""
+    opened = os.open(state_db, os.O_RDWR | os.O_APPEND)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = socket.create_connection(listener.getsockname())  # waits in the listener's backlog
+    for fd in (opened, listener.fileno()):
+        os.set_inheritable(fd, True)
+    yield state_db, listener
+    client.close()
+    listener.close()
+    os.close(opened)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_inherited_file_descriptors(inheritable, loop):
+    """uvloop's spawner ignores close_fds: the server (which runs on uvloop) must not hand a program
+    its descriptors."""
+    import uvloop
+
+    state_db, listener = inheritable
+    result, _ = drive(PROBE_FDS, loop_factory=uvloop.new_event_loop if loop == "uvloop" else None)
+    assert result.status == "completed", result.error
+    only_its_pipes(result.result)
+    assert not any(line.startswith(("ACCEPTED", "READ", "WROTE")) for line in result.result.splitlines()), result.result
+    assert SECRET not in result.result and str(state_db) not in result.result
+    assert state_db.read_text() == f"response resp_1 api_key={SECRET}\n"  # nothing appended
+    listener.settimeout(2)
+    conn, _ = listener.accept()  # the waiting connection is still there: no program took it
+    conn.close()
 
 
 def test_protocol_cannot_be_forged_through_print():

@@ -12,18 +12,22 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jsonschema
 
 from wafer import untrusted_json
-from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox, rlimits, spawn
+from wafer.agents.sandbox import Limits, SandboxProcess, SandboxUnavailable, check_sandbox, rlimits, spawn
+
+if TYPE_CHECKING:
+    from wafer.agents.ptc import ProgramPool
 
 RUNNER_SOURCE = (Path(__file__).parent / "program_runner.py").read_text()
 MAX_MESSAGE_BYTES = 1 << 20  # one protocol line from the runner: a tool call's arguments, an output chunk
 MAX_CODE_BYTES = 256 * 1024
 RESERVED_NAMES = frozenset({"text", "print", "asyncio", "json", "ToolError"})
 EXIT_GRACE_S = 2.0
+PARK_MARGIN_BYTES = 2 * 2**20  # room a parked program keeps above what it holds (the runner reads its reply)
 
 
 @dataclass
@@ -63,29 +67,36 @@ def _output_value(text: str) -> object:
 
 
 class Program:
-    def __init__(self, process: asyncio.subprocess.Process, to_runner: int, from_runner: asyncio.StreamReader,
-                 transport: asyncio.ReadTransport, tools: list[ToolSpec], limits: Limits) -> None:
+    def __init__(self, process: SandboxProcess, to_runner: int, from_runner: asyncio.StreamReader,
+                 transports: list[asyncio.ReadTransport], stderr: asyncio.StreamReader, tools: list[ToolSpec],
+                 limits: Limits, pool: ProgramPool | None) -> None:
         self._process = process
         self._to_runner = to_runner
         self._from_runner = from_runner
-        self._transport = transport
+        self._transports = transports
         self._tools = {t.name: t for t in tools}
         self._limits = limits
+        self._pool = pool
+        self.holds: Literal["running", "parked", "nothing"] = "running"  # what it counts for in the pool
+        self.parked_bytes = 0  # the memory it holds while parked
         self._output: list[str] = []
         self._output_bytes = 0
         self._stderr = bytearray()
-        self._stderr_task = asyncio.create_task(self._read_stderr())
+        self._stderr_task = asyncio.create_task(self._read_stderr(stderr))
         self._batch: dict[str, ToolCall] = {}  # call_id -> call, reported and awaiting outputs
         self._runner_ids: dict[str, str] = {}  # call_id -> the runner's id of that call
         self._ran_s = 0.0
         self._result: ProgramResult | None = None
         self._parked = False
         self._killed_for: str | None = None  # why the parent killed the program, when it did
+        self._peak: int | None = None  # its cgroup's peak, read before the cgroup is removed
 
     @classmethod
-    async def start(cls, code: str, tools: list[ToolSpec], limits: Limits | None = None) -> Program:
+    async def start(cls, code: str, tools: list[ToolSpec], limits: Limits | None = None,
+                    pool: ProgramPool | None = None) -> Program:
         """Raises SandboxUnavailable where the sandbox cannot start, ValueError for a tool the program
-        could not see under its name."""
+        could not see under its name, ProgramsBusy (an APIError, 429) where `pool` runs as many
+        programs as it may."""
         limits = limits or Limits()
         for t in tools:
             if not t.name.isidentifier() or keyword.iskeyword(t.name) or t.name in RESERVED_NAMES:
@@ -93,22 +104,24 @@ class Program:
         reason = await asyncio.to_thread(check_sandbox)
         if reason is not None:
             raise SandboxUnavailable(reason)
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
+        if pool is not None:
+            pool.admit()  # counts the program from here: starts that wait on the spawn below count too
         try:
-            process = await spawn(["-c", RUNNER_SOURCE, str(in_r), str(out_w), json.dumps(rlimits(limits))],
-                                  limits, pass_fds=(in_r, out_w))
-        except BaseException:
-            for fd in (in_r, in_w, out_r, out_w):
-                os.close(fd)
-            raise
-        os.close(in_r)
-        os.close(out_w)
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=MAX_MESSAGE_BYTES)
-        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(out_r, "rb", 0))
-        os.set_blocking(in_w, False)
-        program = cls(process, in_w, reader, transport, tools, limits)
+            process, in_w, out_r, err_r = await spawn(["-c", RUNNER_SOURCE, json.dumps(rlimits(limits))], limits)
+            loop = asyncio.get_running_loop()
+            transports, readers = [], []
+            for fd in (out_r, err_r):
+                reader = asyncio.StreamReader(limit=MAX_MESSAGE_BYTES)
+                transport, _ = await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r),
+                                                            os.fdopen(fd, "rb", 0))
+                transports.append(transport)
+                readers.append(reader)
+            program = cls(process, in_w, readers[0], transports, readers[1], tools, limits, pool)
+            if pool is not None:
+                pool.programs.add(program)  # counted as itself from now on
+        finally:
+            if pool is not None:
+                pool.release()
         try:
             if len(code.encode()) > MAX_CODE_BYTES:
                 raise _Stop(f"program over {MAX_CODE_BYTES} bytes")
@@ -147,7 +160,8 @@ class Program:
         return calls
 
     async def resume(self, outputs: dict[str, str]) -> None:
-        """Gives the program the outputs of every call advance() returned (call_id -> text)."""
+        """Gives the program the outputs of every call advance() returned (call_id -> text); where
+        its pool runs as many programs as it may, first waits for one to park or end."""
         if self._result is not None:
             return
         if not self._parked:
@@ -156,13 +170,53 @@ class Program:
         unknown = sorted(set(outputs) - set(self._batch))
         if missing or unknown:
             raise ValueError(f"outputs must answer exactly the program's calls: missing {missing}, unknown {unknown}")
+        if self._pool is not None:
+            await self._pool.wait_to_run()
+            if self._result is not None:  # freed while it waited (its response deleted, its time up)
+                return
         results = {self._runner_ids.pop(cid): {"value": _output_value(outputs[cid])} for cid in self._batch}
         self._batch.clear()
         self._parked = False
+        self.unpark()
         try:
             await self._send({"t": "results", "results": results}, time.monotonic() + self._limits.wall_seconds)
         except (_Stop, OSError):
             pass  # the next advance() reads the end and says why
+
+    def hold_parked(self, refuse: bool = False) -> None:
+        """From running to parked: the program keeps the memory it has (its cgroup's limit comes down
+        to it), which counts in the pool's parked memory. With `refuse`, a program the pool has no
+        room for is stopped (_Stop) instead."""
+        if self.holds != "running":
+            return
+        group = self._process.cgroup
+        held = min(self._limits.memory_bytes, group.usage() + PARK_MARGIN_BYTES)
+        try:
+            group.set_limit(held)
+        except OSError:  # the kernel could not reclaim down to it: it holds its whole limit
+            held = self._limits.memory_bytes
+        if self._pool is not None and refuse:
+            why = self._pool.parking_refused(held)
+            if why is not None:
+                raise _Stop(why)  # and it ends: the lowered limit does not matter
+        self.holds, self.parked_bytes = "parked", held
+        if self._pool is not None:
+            self._pool.freed.set()
+
+    def unpark(self) -> None:
+        """From parked to running again: its whole memory limit back."""
+        if self.holds != "parked":
+            return
+        try:
+            self._process.cgroup.set_limit(self._limits.memory_bytes)
+        except OSError:
+            pass  # the cgroup is gone with the program: the next advance() says why it ended
+        self.holds, self.parked_bytes = "running", 0
+
+    @property
+    def memory_peak(self) -> int:
+        """The most memory the program's cgroup was charged at once (bytes)."""
+        return self._peak if self._peak is not None else self._process.cgroup.peak()
 
     async def kill(self) -> None:
         """Ends the program and frees its processes; idempotent."""
@@ -185,6 +239,7 @@ class Program:
                 if errors:
                     await self._send({"t": "results", "results": errors}, deadline)
                 elif self._batch:
+                    self.hold_parked(refuse=True)
                     self._parked = True
                     return list(self._batch.values())
                 else:
@@ -238,7 +293,9 @@ class Program:
         try:
             return untrusted_json.loads(line)
         except ValueError:
-            raise _Stop("the program broke its protocol") from None
+            # a line that is not JSON: most likely a raw write to descriptor 1 (a child process's output)
+            raise _Stop("the program broke its protocol: its standard output carries the sandbox's messages, "
+                        "so print through print() or text(), and capture a subprocess's output") from None
 
     async def _send(self, msg: dict, deadline: float) -> None:
         data = (json.dumps(msg) + "\n").encode()
@@ -259,9 +316,7 @@ class Program:
     def _text(self) -> str:
         return "".join(self._output)
 
-    async def _read_stderr(self) -> None:
-        stream = self._process.stdout
-        assert stream is not None
+    async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(1 << 14):
             room = self._limits.output_bytes - len(self._stderr)
             self._stderr += chunk[:max(0, room)]
@@ -283,11 +338,14 @@ class Program:
         sig = rc - 128 if rc is not None and rc > 128 else (-rc if rc is not None and rc < 0 else None)
         if self._killed_for is not None:
             reason = self._killed_for
+        elif self._process.cgroup.oom_kills():
+            reason = (f"killed: memory limit ({self._limits.memory_bytes} bytes) reached; the limit counts every "
+                      "page of the program: memfd, /tmp and page cache as well as its objects")
         elif sig == signal.SIGXCPU:
             reason = f"cpu time limit ({self._limits.cpu_seconds:g} s) exceeded"
         elif sig == signal.SIGKILL:
-            # the hard RLIMIT_CPU (a program that ignored SIGXCPU) or the kernel out of memory
-            reason = f"killed: cpu time limit ({self._limits.cpu_seconds:g} s) or memory limit"
+            # the hard RLIMIT_CPU: a program that ignored SIGXCPU
+            reason = f"killed: cpu time limit ({self._limits.cpu_seconds:g} s) exceeded"
         elif sig == signal.SIGXFSZ:
             reason = f"file size limit ({self._limits.file_bytes} bytes) exceeded"
         elif sig is not None:
@@ -308,11 +366,13 @@ class Program:
     def _signal(self, sig: int) -> None:
         if self._process.returncode is None:
             try:
-                # the whole group: unshare/bwrap's chain; the sandbox's own session dies with bwrap's
-                # PID namespace init (--die-with-parent)
+                # the whole group: unshare/bwrap's chain; the sandbox's own session dies with its PID
+                # namespace's init (--die-with-parent)
                 os.killpg(self._process.pid, sig)
             except ProcessLookupError:
                 pass
+        if sig == signal.SIGKILL:
+            self._process.cgroup.kill()  # and whatever is left in its cgroup
 
     async def _reap(self) -> None:
         self._signal(signal.SIGKILL)
@@ -320,7 +380,15 @@ class Program:
         if self._to_runner >= 0:
             os.close(self._to_runner)
             self._to_runner = -1
-        self._transport.close()
+        for transport in self._transports:
+            transport.close()
+        if self._peak is None:
+            self._peak = self._process.cgroup.peak()
+            await asyncio.to_thread(self._process.cgroup.remove)
+        self.holds, self.parked_bytes = "nothing", 0
+        if self._pool is not None:
+            self._pool.programs.discard(self)
+            self._pool.freed.set()
         try:
             # every writer is dead, so the pipe ends now; reading it to the end closes its transport
             await asyncio.wait_for(asyncio.shield(self._stderr_task), EXIT_GRACE_S)

@@ -1,8 +1,10 @@
 """Runs one model-written program inside the sandbox (stdlib only: this file is the sandboxed
 interpreter's whole view of wafer; wafer/agents/program.py is the other end).
 
-argv: IN_FD OUT_FD LIMITS_JSON. The protocol is JSON lines on those two pipes, never on stdout, so
-that what the program prints cannot pass for a message. From the runner: {"t":"out","s"} output,
+argv: LIMITS_JSON. The sandbox has exactly three descriptors, all pipes to the parent: stdin and
+stdout carry the protocol, stderr is the program's. The protocol is JSON lines; what the program
+prints goes through text() into {"t":"out"} messages, so that it cannot pass for a message (a raw
+write to descriptor 1 can, and then breaks the protocol: the program ends). From the runner: {"t":"out","s"} output,
 {"t":"calls","calls":[{"id","name","args"}]} (sent when no task can run: the runner then blocks for
 one {"t":"results","results":{id:{"value"}|{"error"}}}) and {"t":"done","error"?} at the end. To the
 runner: {"t":"start","code","tools":[{"name","params"}]} first, then the results.
@@ -11,17 +13,20 @@ program could do through its tools and text() anyway.
 """
 import ast
 import asyncio
+import io
 import json
 import linecache
 import os
 import resource
 import selectors
+import signal
 import sys
 import threading
 import traceback
 
 PROGRAM_FILE = "<program>"
 OUT_CHUNK = 4096
+IN_FD, OUT_FD = 0, 1
 
 
 class ToolError(Exception):
@@ -42,6 +47,19 @@ def set_limits(limits):
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file"], limits["file"]))
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits["files"], limits["files"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def close_other_descriptors():
+    """Every descriptor but the three pipes ends here, before the program is read: whatever the
+    sandbox was started with (the parent's spawner is the first guard)."""
+    os.closerange(3, 2**31 - 1)  # close_range(2): as cheap for every number as for those open
+
+
+def be_init():
+    """The runner is the PID namespace's init (bwrap --as-pid-1: /proc/1 is the runner, with the
+    sandbox's own argv, environment and directory). The kernel ignores signals with their default
+    action at an init, so the soft CPU limit's SIGXCPU ends the runner here, as it ends any process."""
+    signal.signal(signal.SIGXCPU, lambda *_: os._exit(128 + signal.SIGXCPU))
 
 
 class Channel:
@@ -156,9 +174,11 @@ def program_traceback(e):
 
 
 def main():
-    in_fd, out_fd, limits = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    close_other_descriptors()
+    be_init()
+    limits = json.loads(sys.argv[1])
     set_limits(limits)
-    chan = Channel(in_fd, out_fd)
+    chan = Channel(IN_FD, OUT_FD)
     start = chan.read()
     out = Output(chan)
     calls = Calls(chan, out)
@@ -172,14 +192,22 @@ def main():
         error = "".join(traceback.format_exception_only(type(e), e))
     if error is None:
 
-        def text(*values, sep=" ", end="\n"):
-            out.write(sep.join(str(v) for v in values) + end)
+        def text(*values, sep=" ", end="\n", file=None, flush=False):
+            """print's signature: `file` other than stdout writes there, `flush` is accepted (output
+            is line-buffered to the parent anyway)."""
+            if file is not None and file is not sys.stdout and file is not out:
+                print(*values, sep=sep, end=end, file=file, flush=flush)
+                return
+            out.write((" " if sep is None else sep).join(str(v) for v in values) + ("\n" if end is None else end))
+            if flush:
+                out.flush()
 
         env = {"__name__": "__main__", "__builtins__": __builtins__, "asyncio": asyncio, "json": json,
                "text": text, "print": text, "ToolError": ToolError}
         for t in start["tools"]:
             env[t["name"]] = tool_function(calls, t["name"], t["params"])
         sys.stdout = out
+        sys.stdin = io.StringIO()  # descriptor 0 is the protocol: input() must not read the parent's replies
 
         async def run():
             r = eval(code, env)

@@ -17,6 +17,8 @@ from typing import Any
 from wafer import untrusted_json
 from wafer.agents.items import PROGRAM_TOOL
 from wafer.agents.program import Program, ToolCall
+from wafer.config import ProgramPoolSettings
+from wafer.errors import APIError
 
 
 def _signature(tool: dict[str, Any]) -> str:
@@ -73,34 +75,89 @@ class Parked:
     run_seconds: float = 0.0  # time the program ran (not parked) so far
 
 
+class ProgramsBusy(APIError):
+    """The server runs as many programs as it may at once: try again shortly."""
+
+    def __init__(self, running: int) -> None:
+        super().__init__(429, f"The server is running {running} programs, as many as it runs at once; retry shortly.",
+                         "rate_limit_error", None, "programs_busy", {"Retry-After": "1"})
+
+
+_DEFAULTS = ProgramPoolSettings()
+
+
 @dataclass
 class ProgramPool:
-    """Programs waiting for tool outputs: at most `max_parked`, each for at most `park_seconds`;
+    """The server's programs: at most `max_running` run at once (one more to start is a
+    ProgramsBusy, 429; one to resume waits for a program to park or end, its memory held as it was
+    parked); parked ones, waiting for tool outputs, are at most `max_parked` holding at most
+    `parked_memory_bytes` together (one more ends with an error), each for at most `park_seconds`;
     freed when their time runs out, when their response is deleted, and at shutdown."""
 
-    max_parked: int = 64
-    park_seconds: float = 600.0
+    max_running: int = _DEFAULTS.max_running
+    max_parked: int = _DEFAULTS.max_parked
+    park_seconds: float = _DEFAULTS.park_seconds
+    parked_memory_bytes: int = _DEFAULTS.parked_memory_bytes
     parked: dict[str, Parked] = field(default_factory=dict)  # by program call id
+    programs: set[Program] = field(default_factory=set)  # every live program started with this pool
+    starting: int = 0  # admitted, not yet live
+    freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when a program parks or ends
     _reaper: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> int:
+        return self.starting + sum(1 for p in self.programs if p.holds == "running")
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(p.parked_bytes for p in self.programs if p.holds == "parked")
+
+    def admit(self) -> None:
+        """One more program is to start or to resume: ProgramsBusy where `max_running` run."""
+        if self.running >= self.max_running:
+            raise ProgramsBusy(self.running)
+        self.starting += 1
+
+    def release(self) -> None:
+        """An admitted program started (it counts as itself now) or failed to."""
+        self.starting -= 1
+        self.freed.set()
+
+    async def wait_to_run(self) -> None:
+        """Until fewer than `max_running` run (checked at least once a second: the limit may change)."""
+        while self.running >= self.max_running:
+            self.freed.clear()
+            try:
+                await asyncio.wait_for(self.freed.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def parking_refused(self, nbytes: int) -> str | None:
+        """Why a program holding `nbytes` cannot park, None when it can."""
+        self._expire()
+        if sum(1 for p in self.programs if p.holds == "parked") >= self.max_parked:
+            return f"the server holds {self.max_parked} programs waiting for tool outputs, as many as it may"
+        if self.parked_bytes + nbytes > self.parked_memory_bytes:
+            return (f"waiting for its tool outputs, the program would hold {nbytes} bytes, and the programs "
+                    f"waiting on this server would hold more than {self.parked_memory_bytes} bytes together")
+        return None
 
     def park(self, p: Parked) -> None:
         self._expire()
-        while len(self.parked) >= self.max_parked:  # the oldest makes room
-            oldest = min(self.parked.values(), key=lambda x: x.started)
-            self._free(oldest.call_id)
+        p.program.hold_parked()  # (a program claimed and put back holds running until here)
         p.deadline = time.monotonic() + self.park_seconds
         self.parked[p.call_id] = p
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     def claim(self, output_ids: set[str]) -> Parked | None:
-        """The parked program that waits on any of these call ids, taken out of the pool."""
+        """The parked program that waits on any of these call ids, taken out of the pool (it holds
+        its parked memory until it resumes)."""
         self._expire()
         for key, p in self.parked.items():
             if output_ids & p.pending.keys():
                 return self.parked.pop(key)
         return None
-
     def drop_response(self, response_id: str) -> None:
         for key in [k for k, p in self.parked.items() if p.response_id == response_id]:
             self._free(key)

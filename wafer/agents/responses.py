@@ -465,7 +465,7 @@ class ResponsesService:
         started = time.monotonic()
         try:
             program = await Program.start(code, [ToolSpec(t["name"], t["parameters"]) for t in plan.programmatic],
-                                          self.limits)
+                                          self.limits, self.pool)
         except SandboxUnavailable as e:  # checked at plan time; the sandbox broke since
             raise APIError(503, f"The program sandbox is not available: {e}", "server_error", None,
                            "sandbox_unavailable") from None

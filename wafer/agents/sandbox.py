@@ -13,6 +13,10 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
+from wafer.agents import cgroup
+from wafer.agents.cgroup import ProgramCgroup
+from wafer.config import ProgramLimits
+
 # The host uid the sandbox runs as when the server is root: RLIMIT_NPROC is never enforced for a
 # process whose real uid is host root (kernel/fork.c, INIT_USER), whatever uid it has inside its
 # user namespace, so a root-started sandbox must be a non-root uid on the host for the limit to bite.
@@ -26,15 +30,8 @@ class SandboxUnavailable(Exception):
     """bubblewrap is missing or cannot start here; programs are then refused, never run unsandboxed."""
 
 
-@dataclass
-class Limits:
-    cpu_seconds: float = 10.0
-    wall_seconds: float = 30.0  # total running time of one program, excluding time parked waiting for tool results
-    memory_bytes: int = 512 * 2**20
-    processes: int = 32
-    file_bytes: int = 16 * 2**20
-    output_bytes: int = 64 * 1024  # text(...) output + stderr kept
-    tmp_bytes: int = 32 * 2**20  # size of the private /tmp: tmpfs pages are host memory outside RLIMIT_AS
+# One program's limits (their defaults are in wafer/config/sandbox.py).
+Limits = ProgramLimits
 
 
 @dataclass
@@ -103,7 +100,10 @@ def command(args: list[str], limits: Limits) -> list[str]:
     stage = _stage_dir([it.prefix, bwrap, *it.libraries]) if root else ""
     source = os.path.join(stage, "wafer-python") if root else it.prefix
     argv = [
-        bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
+        # --as-pid-1: the runner is the PID namespace's init, so /proc/1 shows the sandbox's own
+        # process (bwrap's reaper would show bwrap's argv, the host's PATH and directory)
+        bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--as-pid-1",
+        "--clearenv", "--cap-drop", "ALL",
         "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
         "--ro-bind", source, it.prefix,
     ]
@@ -127,15 +127,59 @@ def command(args: list[str], limits: Limits) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, it.prefix, stage, *argv]
 
 
-async def spawn(args: list[str], limits: Limits, pass_fds: tuple[int, ...]) -> asyncio.subprocess.Process:
-    """Starts the sandbox in its own process group; stdout and stderr are one pipe, stdin is empty."""
+class SandboxProcess:
+    """The sandbox's outermost process, started outside the event loop's spawner (uvloop's ignores
+    close_fds, and would hand the program every inheritable descriptor of the server): exactly three
+    pipes go in, stdin and stdout for the runner's protocol and stderr. Its exit is seen through a
+    pidfd, so no child watcher of the loop is involved."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], cgroup: ProgramCgroup) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.cgroup = cgroup
+        self.returncode: int | None = None
+        self._exited = asyncio.get_running_loop().create_future()
+        self._pidfd = os.pidfd_open(popen.pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self.returncode = self._popen.wait()
+        if not self._exited.done():
+            self._exited.set_result(self.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+
+async def spawn(args: list[str], limits: Limits) -> tuple[SandboxProcess, int, int, int]:
+    """Starts the sandbox in its own process group and its own memory cgroup: (process, its stdin's
+    write end, its stdout's read end, its stderr's read end), the parent's ends non-blocking."""
     reason = check_sandbox()
     if reason is not None:
         raise SandboxUnavailable(reason)
-    return await asyncio.create_subprocess_exec(
-        *command(args, limits), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        pass_fds=pass_fds, close_fds=True, start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-    )
+    hierarchy = cgroup.find()
+    assert not isinstance(hierarchy, str)  # check_sandbox() said so
+    group = await asyncio.to_thread(ProgramCgroup, hierarchy, limits.memory_bytes)
+    # The process joins its cgroup before bubblewrap starts, so that every page of the sandbox is
+    # charged there.
+    argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', group.procs_file, *command(args, limits)]
+    try:
+        popen = await asyncio.to_thread(
+            subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            close_fds=True, pass_fds=(), start_new_session=True, cwd="/", env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    except BaseException:
+        await asyncio.to_thread(group.remove)
+        raise
+    ends = []
+    for f in (popen.stdin, popen.stdout, popen.stderr):
+        assert f is not None
+        fd = os.dup(f.fileno())
+        f.close()
+        os.set_blocking(fd, False)
+        ends.append(fd)
+    return SandboxProcess(popen, group), ends[0], ends[1], ends[2]
 
 
 def rlimits(limits: Limits) -> dict[str, int]:
@@ -144,7 +188,7 @@ def rlimits(limits: Limits) -> dict[str, int]:
     return {
         "cpu": max(1, math.ceil(limits.cpu_seconds)),
         "memory": limits.memory_bytes,
-        "processes": limits.processes + 2,  # bwrap's init in the PID namespace and the runner are two of them
+        "processes": limits.processes + 1,  # the runner is one of them
         "file": limits.file_bytes,
         "files": 64,
     }
@@ -159,6 +203,9 @@ def check_sandbox() -> str | None:
         return "bubblewrap (bwrap) is not installed"
     if os.geteuid() == 0 and not (shutil.which("unshare") and shutil.which("setpriv")):
         return "util-linux's unshare and setpriv are needed to drop root for the sandbox"
+    reason = cgroup.check()
+    if reason is not None:
+        return f"programs need a memory cgroup of their own: {reason}"
     try:
         argv = command(["-c", "import os; print('sandbox', os.getuid())"], Limits())
         r = subprocess.run(argv, capture_output=True, text=True, timeout=TRIAL_TIMEOUT_S,

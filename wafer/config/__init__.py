@@ -1,5 +1,5 @@
 """wafer's settings and their defaults, each written once: the engine's, the KV cache's,
-speculation's, loading's and the server's dataclasses, and the tiers' names and aliases as data
+speculation's, loading's, the server's and model-written programs' dataclasses, and the tiers' names and aliases as data
 (default.toml). `wafer serve`'s flags, wafer.toml's keys, the server and the engine take their
 defaults from here, and tests/config/test_defaults.py fails where a default is written elsewhere.
 
@@ -8,6 +8,7 @@ Every layer may import this package, so it imports nothing of wafer's."""
 from wafer.config.cache import KV_CACHE_DTYPES, CacheSettings
 from wafer.config.engine import EngineSettings
 from wafer.config.load import DEVICES, LoadSettings
+from wafer.config.sandbox import ProgramLimits, ProgramPoolSettings
 from wafer.config.server import REASONING_BUDGETS, ServerSettings
 from wafer.config.speculation import SPECULATIVE_LENGTHS, SpeculationSettings
 from wafer.config.tiers import ROUTER_NAMES, ROUTING_TIERS, TIER_ALIASES, TIERS
@@ -16,4 +17,4 @@ SETTINGS = (EngineSettings, CacheSettings, SpeculationSettings, LoadSettings, Se
 
 __all__ = ["DEVICES", "KV_CACHE_DTYPES", "REASONING_BUDGETS", "ROUTER_NAMES", "ROUTING_TIERS", "SETTINGS",
            "SPECULATIVE_LENGTHS", "TIERS", "TIER_ALIASES", "CacheSettings", "EngineSettings", "LoadSettings",
-           "ServerSettings", "SpeculationSettings"]
+           "ProgramLimits", "ProgramPoolSettings", "ServerSettings", "SpeculationSettings"]

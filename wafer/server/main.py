@@ -339,6 +339,20 @@ def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None 
     return keys
 
 
+def programs_line() -> str:
+    """Whether model-written programs run here, said at start-up: where the sandbox or a memory
+    cgroup is missing, programmatic tool calling is refused, never run with weaker limits."""
+    from wafer.agents.cgroup import find
+    from wafer.agents.sandbox import check_sandbox
+
+    reason = check_sandbox()
+    if reason is not None:
+        return f"WARNING programmatic tool calling is off: {reason}"
+    hierarchy = find()
+    assert not isinstance(hierarchy, str)  # check_sandbox() found one
+    return f"programs: sandboxed, each in a memory cgroup (v{hierarchy.version}) under {hierarchy.parent}"
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {f.name: getattr(args, f.name) for f in fields(EngineSettings)}  # the flags bear the fields' names
@@ -388,6 +402,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"  {m.names[0]}: {stages['stages']} pipeline stages, layers {layers}", file=sys.stderr, flush=True)
         if m.compute["warning"]:
             print(f"  WARNING {m.names[0]}: {m.compute['warning']}", file=sys.stderr, flush=True)
+    print(f"  {programs_line()}", file=sys.stderr, flush=True)
     try:
         server.run()  # on this thread, which loaded the models and so owns their compute threads
     finally:

@@ -71,6 +71,7 @@ class Parked:
     started: float
     deadline: float
     run_seconds: float = 0.0  # time the program ran (not parked) so far
+    tenant: str | None = None  # whose key made its response: only that tenant's outputs resume it
 
 
 @dataclass
@@ -93,11 +94,11 @@ class ProgramPool:
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
-    def claim(self, output_ids: set[str]) -> Parked | None:
-        """The parked program that waits on any of these call ids, taken out of the pool."""
+    def claim(self, output_ids: set[str], tenant: str | None = None) -> Parked | None:
+        """The tenant's parked program that waits on any of these call ids, taken out of the pool."""
         self._expire()
         for key, p in self.parked.items():
-            if output_ids & p.pending.keys():
+            if p.tenant == tenant and output_ids & p.pending.keys():
                 return self.parked.pop(key)
         return None
 

@@ -207,3 +207,49 @@ def test_a_request_state_names_its_tenant(keyed):
     r = httpx.get(server.base_url + "/spy", headers={"authorization": f"Bearer {keys['bob']}"})
     assert r.status_code == 200, r.text
     assert done.wait(5) and seen == ["bob"]
+
+
+def test_wafer_bench_runs_with_a_tenants_key_from_the_environment(keyed, tmp_path, monkeypatch):
+    import json
+
+    server, keys, _ = keyed
+    admin = {"authorization": f"Bearer {keys['ops']}"}
+    before = httpx.get(server.base_url + "/dashboard/data", headers=admin).json()["tenants"].get("bob", {})
+    monkeypatch.setenv("WAFER_API_KEY", keys["bob"])  # not on the command line, where `ps` shows it
+    assert wafer(["bench", "--base-url", server.base_url + "/v1", "--num-prompts", "2", "--warmup", "0",
+                  "--input-len", "8", "--output-len", "4", "--out", str(tmp_path)]) == 0
+    (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
+    assert cell["completed"] == 2
+    after = httpx.get(server.base_url + "/dashboard/data", headers=admin).json()["tenants"]["bob"]
+    assert after["requests"] - before.get("requests", 0) == 2
+
+
+def test_keys_are_not_in_ps_output_or_the_log(tiny_dir, tmp_path):
+    """A server started with keys in its state database and in its environment, at debug level,
+    asked with a good key, a wrong one and a revoked one: no key in `ps` or in what it logged."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.serving import free_port, serve_process
+
+    db = tmp_path / "state.db"
+    store = KeyStore(db)
+    good, _ = store.add("alice", rpm=1)
+    revoked, _ = store.add("mallory")
+    store.revoke("mallory")
+    legacy, wrong = "sk-in-the-environment-1234", "sk-wrong-5678"
+    port, log = free_port(), tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "wafer.cli", "serve", str(tiny_dir), "--quant", "f32", "--port", str(port),
+            "--state-db", str(db), "--log-level", "debug", "--max-model-len", "256"]
+    with serve_process(argv, port, log, 120, env={**os.environ, "WAFER_API_KEY": legacy}):
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        codes = [httpx.post(url, json={"model": "x", "prompt": "hi", "max_tokens": 2},
+                            headers={"authorization": f"Bearer {k}"}, timeout=60).status_code
+                 for k in (good, good, wrong, revoked, legacy)]
+        ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, check=True).stdout
+    assert codes[2:4] == [401, 401] and codes[1] == 429, codes
+    logged = log.read_text()
+    assert "keys: 1 of 1 tenants" in logged
+    for key in (good, revoked, legacy, wrong):
+        assert key not in ps and key not in logged

@@ -35,6 +35,7 @@ def test_requests_per_minute_slide():
     with pytest.raises(APIError) as e:
         lim.admit(key)
     assert e.value.status == 429 and e.value.type == "requests" and e.value.code == "rate_limit_exceeded"
+    assert e.value.limit == "requests"
     assert e.value.headers["Retry-After"] == "30"  # when the first request leaves the window
     clock.now += 30
     assert lim.admit(key)["x-ratelimit-remaining-requests"] == "0"  # the first left; refused ones never counted

@@ -34,6 +34,15 @@ def duration(seconds: float) -> str:
     return (f"{hours}h{minutes}m" if hours else f"{minutes}m" if minutes else "") + sec
 
 
+class OverLimit(APIError):
+    """A 429 for one of a key's limits: `limit` names it (requests, tokens, daily_tokens, concurrency)."""
+
+    def __init__(self, limit: str, wait: float, message: str, type: str, code: str) -> None:
+        super().__init__(429, message, type, None, code)
+        self.limit = limit
+        self.wait = wait
+
+
 @dataclass
 class _Use:
     requests: deque[float] = field(default_factory=deque)  # when each request of the window was admitted
@@ -71,17 +80,17 @@ class Limiter:
             u.day, u.day_tokens = day, tokens
 
     def admit(self, key: ApiKey) -> dict[str, str]:
-        """Take one request of the key, returning the headers to answer with; a 429 (APIError) if the
+        """Take one request of the key, returning the headers to answer with; a 429 (OverLimit) if the
         key is over a limit. The caller must `release` an admitted request when it ends."""
         u = self._use(key.id)
         now = self.clock()
         self._roll_day(u, now)
-        refusal = None
+        refusal: OverLimit | None = None
         if key.rpm is not None and len(u.requests) >= key.rpm:
             wait = u.requests[0] + WINDOW - now
-            refusal = APIError(429, f"Rate limit reached for requests per minute (RPM) of tenant {key.tenant}: "
-                               f"Limit {key.rpm}, Used {len(u.requests)}, Requested 1. Please try again in "
-                               f"{duration(wait)}.", "requests", None, "rate_limit_exceeded")
+            refusal = OverLimit("requests", wait, f"Rate limit reached for requests per minute (RPM) of tenant "
+                                f"{key.tenant}: Limit {key.rpm}, Used {len(u.requests)}, Requested 1. Please try "
+                                f"again in {duration(wait)}.", "requests", "rate_limit_exceeded")
         elif key.tpm is not None and u.token_sum >= key.tpm:
             wait, left = 0.0, u.token_sum
             for at, n in u.tokens:  # until enough of the window's tokens have left it
@@ -89,22 +98,22 @@ class Limiter:
                 wait = at + WINDOW - now
                 if left < key.tpm:
                     break
-            refusal = APIError(429, f"Rate limit reached for tokens per minute (TPM) of tenant {key.tenant}: "
-                               f"Limit {key.tpm}, Used {u.token_sum}. Please try again in {duration(wait)}.",
-                               "tokens", None, "rate_limit_exceeded")
+            refusal = OverLimit("tokens", wait, f"Rate limit reached for tokens per minute (TPM) of tenant "
+                                f"{key.tenant}: Limit {key.tpm}, Used {u.token_sum}. Please try again in "
+                                f"{duration(wait)}.", "tokens", "rate_limit_exceeded")
         elif key.daily_tokens is not None and u.day_tokens >= key.daily_tokens:
             wait = seconds_to_midnight(now)
-            refusal = APIError(429, f"You exceeded your daily token budget (tenant {key.tenant}: Limit "
-                               f"{key.daily_tokens}, Used {u.day_tokens}). It starts again at 00:00 UTC, in "
-                               f"{duration(wait)}.", "insufficient_quota", None, "insufficient_quota")
+            refusal = OverLimit("daily_tokens", wait, f"You exceeded your daily token budget (tenant {key.tenant}: "
+                                f"Limit {key.daily_tokens}, Used {u.day_tokens}). It starts again at 00:00 UTC, "
+                                f"in {duration(wait)}.", "insufficient_quota", "insufficient_quota")
         elif key.concurrency is not None and u.running >= key.concurrency:
             wait = 1.0
-            refusal = APIError(429, f"Too many requests at once for tenant {key.tenant}: Limit {key.concurrency} "
-                               "concurrent requests. Please try again when one has finished.", "requests", None,
-                               "rate_limit_exceeded")
+            refusal = OverLimit("concurrency", wait, f"Too many requests at once for tenant {key.tenant}: Limit "
+                                f"{key.concurrency} concurrent requests. Please try again when one has finished.",
+                                "requests", "rate_limit_exceeded")
         if refusal is not None:
-            refusal.headers = {**self.headers(key), "Retry-After": str(max(1, math.ceil(wait)))}
-            if refusal.code == "insufficient_quota":  # hours away: the SDKs' retries would only fail again
+            refusal.headers = {**self.headers(key), "Retry-After": str(max(1, math.ceil(refusal.wait)))}
+            if refusal.limit == "daily_tokens":  # hours away: the SDKs' retries would only fail again
                 refusal.headers["x-should-retry"] = "false"
             raise refusal
         u.requests.append(now)

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wafer.errors import APIError
 from wafer.server.caller import CALLER, Caller
 from wafer.server.key_store import ApiKey, KeyStore, Usage, digest, today
-from wafer.server.limits import Limiter
+from wafer.server.limits import Limiter, OverLimit
 from wafer.server.metrics import ServerMetrics
 
 log = logging.getLogger("wafer.server")
@@ -98,22 +98,16 @@ class Tenancy:
                 if hmac.compare_digest(key_hash, h):
                     found = Caller(tenant, None, True)
             if found is None and self.store is not None:
-                key = await asyncio.to_thread(self._find, h)
+                key = await asyncio.to_thread(self.store.find, h)
                 if key is not None:
                     found = Caller(key.tenant, key, key.admin)
+                    if not self.limiter.knows_today(key):  # its first request here today
+                        day = today(self.limiter.clock())
+                        self.limiter.day_tokens(key.id, day, await asyncio.to_thread(self.store.tokens_on, key.id, day))
         if found is None:
             raise APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key",
                            challenge)
         return found
-
-    def _find(self, key_hash: str) -> ApiKey | None:
-        """The live key, with its day's tokens as the store has them where it has a daily budget."""
-        assert self.store is not None
-        key = self.store.find(key_hash)
-        if key is not None and not self.limiter.knows_today(key):
-            day = today(self.limiter.clock())
-            self.limiter.day_tokens(key.id, day, self.store.tokens_on(key.id, day))
-        return key
 
     # --- dependencies ------------------------------------------------------------------------
     async def authorize(self, request: Request) -> None:
@@ -133,11 +127,8 @@ class Tenancy:
             return
         try:
             headers = self.limiter.admit(caller.key)
-        except APIError as e:
-            limit = {"requests": "requests", "tokens": "tokens", "insufficient_quota": "daily_tokens"}[e.type]
-            if e.type == "requests" and "at once" in e.message:
-                limit = "concurrency"
-            self.metrics.tenant_limited.labels(caller.tenant, limit).inc()
+        except OverLimit as e:
+            self.metrics.tenant_limited.labels(caller.tenant, e.limit).inc()
             self._use(caller.key).rate_limited += 1
             raise
         request.state.admitted = caller.key.id  # the Gate releases it when the response has ended

@@ -1,4 +1,4 @@
-"""The `wafer` command: generate, chat, info, serve."""
+"""The `wafer` command: generate, chat, info, serve, models, keys, bench."""
 
 from __future__ import annotations
 
@@ -257,6 +257,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Tenants' API keys in the state database: add (the key is printed once), list, revoke, usage."""
+    from datetime import datetime, timedelta, timezone
+
+    from wafer.server.key_store import KeyStore, Usage, describe, today
+
+    store = KeyStore(args.state_db)
+    try:
+        if args.action == "add":
+            if not args.ref:
+                raise WaferError("wafer keys add TENANT: name the tenant the key is for")
+            models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+            try:
+                secret, key = store.add(args.ref, args.admin, args.rpm, args.tpm, args.concurrency, args.daily_tokens,
+                                        models)
+            except ValueError as e:
+                raise WaferError(f"wafer keys add: {e}") from None
+            print(secret)  # alone on stdout, for a script to take; shown this once only
+            print(f"{key.id} for tenant {key.tenant}{' (admin)' if key.admin else ''}: {describe(key)}. The key is "
+                  "not stored: keep it now.", file=sys.stderr)
+            return 0
+        if args.action == "list":
+            keys = store.keys(revoked=args.all)
+            for k in keys:
+                made = datetime.fromtimestamp(k.created_at, timezone.utc).strftime("%Y-%m-%d %H:%M")
+                state = "revoked" if k.revoked_at is not None else "live"
+                print(f"{k.id}  {k.shown}…  tenant {k.tenant}{'  admin' if k.admin else ''}  {state}  made {made} UTC"
+                      f"  {describe(k)}")
+            if not keys:
+                print("no keys (`wafer keys add TENANT` makes one)", file=sys.stderr)
+            return 0
+        if args.action == "revoke":
+            if not args.ref:
+                raise WaferError("wafer keys revoke KEY_ID|TENANT: name the key (its id) or the tenant")
+            gone = store.revoke(args.ref)
+            if not gone:
+                raise WaferError(f"wafer keys revoke: no live key with id or tenant {args.ref!r}")
+            for k in gone:
+                print(f"revoked {k.id} of tenant {k.tenant}", file=sys.stderr)
+            return 0
+        since = (datetime.now(timezone.utc) - timedelta(days=max(args.days, 1) - 1)).strftime("%Y-%m-%d")
+        rows = store.usage(since, args.ref)
+        totals: dict[str, Usage] = {}
+        print(f"{'day':<10}  {'tenant':<20}  {'key':<16}  {'requests':>8}  {'input':>10}  {'output':>10}  "
+              f"{'errors':>6}  {'limited':>7}  {'cost USD':>10}")
+        for day, key_id, u in rows:
+            print(f"{day:<10}  {u.tenant:<20}  {key_id:<16}  {u.requests:>8}  {u.input_tokens:>10}  "
+                  f"{u.output_tokens:>10}  {u.errors:>6}  {u.rate_limited:>7}  {u.cost_usd:>10.4f}")
+            totals.setdefault(u.tenant, Usage(u.tenant)).add(u)
+        for tenant, u in sorted(totals.items()):
+            print(f"{'total':<10}  {tenant:<20}  {'':<16}  {u.requests:>8}  {u.input_tokens:>10}  "
+                  f"{u.output_tokens:>10}  {u.errors:>6}  {u.rate_limited:>7}  {u.cost_usd:>10.4f}")
+        print(f"(since {since}, today {today()} UTC; a running server writes its use every second)", file=sys.stderr)
+        return 0
+    finally:
+        store.close()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from wafer.benchmark.cli import main as bench_main
 
@@ -411,6 +469,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="install only: do not time the kernels' settings for this machine on these models now "
                          "(python -m wafer.kernels --tune does it later)")
     mo.set_defaults(func=cmd_models)
+
+    k = command("keys", "tenants' API keys, with their limits, in the state database")
+    k.add_argument("action", choices=["add", "list", "revoke", "usage"],
+                   help="add: make a key for a tenant and print it (once: only its hash is kept); list: the keys; "
+                        "revoke: a key by id, or every key of a tenant (refused at once, by running servers too); "
+                        "usage: requests, tokens, errors and cost by day, tenant and key")
+    k.add_argument("ref", nargs="?", default=None, metavar="TENANT|KEY_ID",
+                   help="add: the tenant; revoke: a key id or a tenant; usage: only this tenant")
+    k.add_argument("--state-db", default=None, metavar="PATH|URL",
+                   help="the state database, as for `wafer serve --state-db`")
+    k.add_argument("--admin", action="store_true", help="add: the key may read /metrics and the dashboard")
+    k.add_argument("--rpm", type=int, default=None, help="add: requests per minute")
+    k.add_argument("--tpm", type=int, default=None, help="add: tokens (prompt and completion) per minute")
+    k.add_argument("--concurrency", type=int, default=None, help="add: requests at once")
+    k.add_argument("--daily-tokens", type=int, default=None, help="add: tokens per UTC day")
+    k.add_argument("--models", default=None, metavar="NAME,NAME",
+                   help="add: the only model names (or aliases of them) the key may ask for")
+    k.add_argument("--all", action="store_true", help="list: revoked keys too")
+    k.add_argument("--days", type=int, default=7, help="usage: this many days back, today included")
+    k.set_defaults(func=cmd_keys)
 
     from wafer.benchmark.cli import add_arguments
 

@@ -33,6 +33,7 @@ class Plan:
     started: float = field(default_factory=time.monotonic)
     failure: APIError | None = None  # why the response failed, for an HTTP error when it was not streamed
     agent: str = "root"  # which agent of an Ultra response this is
+    tenant: str | None = None  # whose key asked for it (None on a server without keys)
     ultra: dict[str, Any] | None = None  # Ultra's settings (n, subagent_model), when it is on
     ultra_state: dict[str, Any] | None = None  # the sub-agents of the Ultra response this one resumes
     # Its answer draws on text it was given (Ultra's synthesis of its agents' results): the local

@@ -73,6 +73,7 @@ class Parked:
     started: float
     deadline: float
     run_seconds: float = 0.0  # time the program ran (not parked) so far
+    tenant: str | None = None  # whose key made its response: only that tenant's outputs resume it
 
 
 class ProgramsBusy(APIError):
@@ -150,14 +151,15 @@ class ProgramPool:
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
-    def claim(self, output_ids: set[str]) -> Parked | None:
-        """The parked program that waits on any of these call ids, taken out of the pool (it holds
-        its parked memory until it resumes)."""
+    def claim(self, output_ids: set[str], tenant: str | None = None) -> Parked | None:
+        """The tenant's parked program that waits on any of these call ids, taken out of the pool (it
+        holds its parked memory until it resumes)."""
         self._expire()
         for key, p in self.parked.items():
-            if output_ids & p.pending.keys():
+            if p.tenant == tenant and output_ids & p.pending.keys():
                 return self.parked.pop(key)
         return None
+
     def drop_response(self, response_id: str) -> None:
         for key in [k for k, p in self.parked.items() if p.response_id == response_id]:
             self._free(key)

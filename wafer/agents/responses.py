@@ -44,30 +44,36 @@ class ResponsesService:
         self.prices = prices or {}
         # Called with every finished response (the server counts them in its metrics).
         self.on_finish: list[Callable[[dict[str, Any]], None]] = []
-        self.active: dict[str, asyncio.Task[Any]] = {}  # responses being made, by id: what DELETE cancels
+        # responses being made, by id, with their tenant: what DELETE cancels
+        self.active: dict[str, tuple[asyncio.Task[Any], str | None]] = {}
         self.backend = backend
         self.store = store
         self.pool = pool or ProgramPool()
         self.limits = limits or Limits()
 
     # --- reading back ------------------------------------------------------------------------
-    async def get(self, rid: str) -> dict[str, Any]:
-        found = await asyncio.to_thread(self.store.get, rid)
+    # `tenant`: whose key asks (None on a server without keys); another tenant's response is not found.
+    async def get(self, rid: str, tenant: str | None = None) -> dict[str, Any]:
+        found = await asyncio.to_thread(self.store.get, rid, tenant)
         if found is None:
             raise _not_found(rid)
         return found[0]
 
-    async def delete(self, rid: str) -> dict[str, Any]:
-        running = self.active.pop(rid, None)
-        if running is not None:  # still being made: cancelling it stops every agent and program of it
-            running.cancel()
-        if not await asyncio.to_thread(self.store.delete, rid) and running is None:
+    async def delete(self, rid: str, tenant: str | None = None) -> dict[str, Any]:
+        running = self.active.get(rid)
+        if running is not None and running[1] == tenant:  # still being made: cancelling it stops its agents
+            del self.active[rid]
+            running[0].cancel()
+        else:
+            running = None
+        if not await asyncio.to_thread(self.store.delete, rid, tenant) and running is None:
             raise _not_found(rid)
         self.pool.drop_response(rid)
         return {"id": rid, "object": "response.deleted", "deleted": True}
 
-    async def input_items(self, rid: str, after: str | None, limit: int, order: str) -> dict[str, Any]:
-        found = await asyncio.to_thread(self.store.get, rid)
+    async def input_items(self, rid: str, after: str | None, limit: int, order: str,
+                          tenant: str | None = None) -> dict[str, Any]:
+        found = await asyncio.to_thread(self.store.get, rid, tenant)
         if found is None:
             raise _not_found(rid)
         items = found[1] if order == "asc" else found[1][::-1]
@@ -84,12 +90,13 @@ class ResponsesService:
         await self.pool.close()
 
     # --- creating ----------------------------------------------------------------------------
-    async def plan(self, req: ResponseRequest) -> Plan:
-        """Every check that can fail before generation starts, so that it fails as an HTTP error."""
+    async def plan(self, req: ResponseRequest, tenant: str | None = None) -> Plan:
+        """Every check that can fail before generation starts, so that it fails as an HTTP error.
+        `tenant`: whose key asks; it continues and references only its own responses."""
         history: list[dict[str, Any]] = []
         task_before: dict[str, Any]
         if req.previous_response_id is not None:
-            chain = await asyncio.to_thread(self.store.chain, req.previous_response_id)
+            chain = await asyncio.to_thread(self.store.chain, req.previous_response_id, tenant)
             if not chain:
                 raise bad_request(f"Previous response with id '{req.previous_response_id}' not found.",
                                   "previous_response_id", "previous_response_not_found")
@@ -118,10 +125,11 @@ class ResponsesService:
         plan = Plan(req, new_id("resp"), int(time.time()), history, new, chat_tools, programmatic, ptc,
                     self._tool_choice(req, chat_tools), self._format(req))
         plan.task_before = task_before
+        plan.tenant = tenant
         plan.ultra, plan.ultra_state = ultra, ultra_state
         if ultra_state is not None:
             return plan  # the sub-agents claim their own parked programs
-        plan.resume = self.pool.claim(outputs) if outputs else None
+        plan.resume = self.pool.claim(outputs, tenant) if outputs else None
         if plan.resume is not None:
             missing = plan.resume.pending.keys() - outputs
             if missing:
@@ -224,7 +232,7 @@ class ResponsesService:
         yield ev("response.created", response=self.response(plan, "in_progress"))
         yield ev("response.in_progress", response=self.response(plan, "in_progress"))
         status, error, incomplete = "completed", None, None
-        self.active[plan.rid] = asyncio.current_task()  # type: ignore[assignment]
+        self.active[plan.rid] = (asyncio.current_task(), plan.tenant)  # type: ignore[assignment]
         body = Ultra(self).run(plan, ev) if plan.ultra is not None else self._turns(plan, ev)
         try:
             async for event in body:
@@ -251,7 +259,7 @@ class ResponsesService:
         for hook in self.on_finish:
             hook(final)
         if plan.req.store:
-            await asyncio.to_thread(self.store.put, final, plan.new_items, plan.accounting)
+            await asyncio.to_thread(self.store.put, final, plan.new_items, plan.accounting, plan.tenant)
         yield ev({"completed": "response.completed", "failed": "response.failed",
                   "incomplete": "response.incomplete"}[status], response=final)
 
@@ -502,7 +510,8 @@ class ResponsesService:
                                                    {"type": "program", "caller_id": call_id}):
                 yield event
         plan.running.remove(program)
-        self.pool.park(Parked(program, call_id, {c.call_id: c for c in result}, plan.rid, started, 0.0, ran))
+        self.pool.park(Parked(program, call_id, {c.call_id: c for c in result}, plan.rid, started, 0.0, ran,
+                              plan.tenant))
 
 
 def mode_of(plan: Plan) -> str:

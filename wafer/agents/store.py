@@ -3,6 +3,9 @@
 SQLAlchemy over SQLite by default (one file, created on first use); any URL SQLAlchemy speaks
 (PostgreSQL, say) lets several servers share one store. Calls are synchronous and short: the
 service runs them in a worker thread.
+
+Each response belongs to the tenant whose key made it (None where the server has no keys): every
+read, continuation and delete names the tenant, and a response of another one is not found.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Float, String, Text, create_engine, delete, event, select
+from sqlalchemy import Engine, Float, String, Text, create_engine, delete, event, inspect, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 
@@ -30,6 +33,7 @@ class _Row(_Base):
     input_items: Mapped[str] = mapped_column(Text)  # this response's own input, items with ids
     # the model turns, tool calls and program runs behind it (wafer's accounting)
     accounting: Mapped[str] = mapped_column(Text, default="{}")
+    tenant: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # whose key made it
 
 
 def default_path() -> Path:
@@ -48,46 +52,62 @@ def database_url(where: str | Path | None) -> str:
     return f"sqlite:///{path}"
 
 
+def open_database(where: str | Path | None) -> tuple[str, Engine]:
+    """The URL and a SQLAlchemy engine for `--state-db` (see database_url), set up for several
+    processes (servers, `wafer keys`) sharing it."""
+    url = database_url(where)
+    engine = create_engine(url)
+    if url.startswith("sqlite"):
+        # Several servers (or a restarted one) may open the same file: WAL lets readers in while one writes.
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn: Any, _: Any) -> None:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+    return url, engine
+
+
+def _owned(tenant: str | None) -> Any:
+    return _Row.tenant.is_(None) if tenant is None else _Row.tenant == tenant
+
+
 class ResponseStore:
     def __init__(self, where: str | Path | None = None) -> None:
-        self.url = database_url(where)
-        self.engine = create_engine(self.url)
-        if self.url.startswith("sqlite"):
-            # Several servers (or a restarted one) may open the same file: WAL lets readers in while one writes.
-            @event.listens_for(self.engine, "connect")
-            def _pragmas(conn: Any, _: Any) -> None:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA busy_timeout=5000")
+        self.url, self.engine = open_database(where)
         _Base.metadata.create_all(self.engine)
+        # A store made before responses had owners gets the column; its responses stay the keyless server's.
+        if "tenant" not in {c["name"] for c in inspect(self.engine).get_columns("responses")}:
+            with self.engine.begin() as conn:
+                conn.execute(text("ALTER TABLE responses ADD COLUMN tenant VARCHAR(128)"))
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
-            accounting: dict[str, Any]) -> None:
+            accounting: dict[str, Any], tenant: str | None = None) -> None:
         row = _Row(id=response["id"], created_at=time.time(), previous_response_id=response.get("previous_response_id"),
                    response=json.dumps(response), input_items=json.dumps(input_items),
-                   accounting=json.dumps(accounting))
+                   accounting=json.dumps(accounting), tenant=tenant)
         with Session(self.engine) as s, s.begin():
             s.merge(row)
 
-    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]] | None:
+    def get(self, rid: str, tenant: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                                                 dict[str, Any]] | None:
         with Session(self.engine) as s:
-            row = s.get(_Row, rid)
+            row = s.execute(select(_Row).where(_Row.id == rid, _owned(tenant))).scalar_one_or_none()
             if row is None:
                 return None
             return json.loads(row.response), json.loads(row.input_items), json.loads(row.accounting)
 
-    def delete(self, rid: str) -> bool:
+    def delete(self, rid: str, tenant: str | None = None) -> bool:
         with Session(self.engine) as s, s.begin():
-            return s.execute(delete(_Row).where(_Row.id == rid)).rowcount > 0
+            return s.execute(delete(_Row).where(_Row.id == rid, _owned(tenant))).rowcount > 0
 
-    def chain(self, rid: str, limit: int = 10_000) -> list[tuple[dict[str, Any], list[dict[str, Any]],
-                                                                dict[str, Any]]]:
-        """The responses from the first of a conversation to `rid`, oldest first; empty if `rid` is
-        unknown. A link to a response deleted since ends the chain there."""
+    def chain(self, rid: str, tenant: str | None = None,
+              limit: int = 10_000) -> list[tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]]:
+        """The tenant's responses from the first of a conversation to `rid`, oldest first; empty if
+        `rid` is unknown (or another tenant's). A link to a response deleted since ends the chain there."""
         out = []
         with Session(self.engine) as s:
             cur: str | None = rid
             while cur is not None and len(out) < limit:
-                row = s.execute(select(_Row).where(_Row.id == cur)).scalar_one_or_none()
+                row = s.execute(select(_Row).where(_Row.id == cur, _owned(tenant))).scalar_one_or_none()
                 if row is None:
                     break
                 out.append((json.loads(row.response), json.loads(row.input_items), json.loads(row.accounting)))

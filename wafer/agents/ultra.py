@@ -129,7 +129,7 @@ class Ultra:
                                           "reasoning": None})
         return Plan(req, root.rid, root.created_at, history, new_items, root.chat_tools if tools else [],
                     root.programmatic if tools else [], root.ptc and tools, "auto" if tools else "none",
-                    response_format, agent=agent)
+                    response_format, agent=agent, tenant=root.tenant)
 
     def _absorb(self, root: Plan, part: Plan) -> dict[str, Any]:
         for key in root.usage:
@@ -211,7 +211,7 @@ class Ultra:
             plan = self._derived(root, name, SUBAGENT.format(n=n, task=state["task"]),
                                  agent["items"], new, True, state["agent_tokens"], model=state["subagent_model"])
             outs = {i["call_id"] for i in new if i["type"] == "function_call_output"}
-            plan.resume = self.service.pool.claim(outs) if outs else None
+            plan.resume = self.service.pool.claim(outs, root.tenant) if outs else None
             plans[name] = plan
 
         finished: dict[str, float] = {}

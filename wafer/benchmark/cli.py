@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +21,7 @@ from wafer.benchmark.report import save, terminal_table
 from wafer.benchmark.runner import LoadConfig, run_async, run_load
 from wafer.benchmark.stats import FORMULAS, SLO, cell_stats
 from wafer.benchmark.workload import from_jsonl, synthetic
+from wafer.errors import WaferError
 
 
 def _ints(text: str) -> list[int]:
@@ -44,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # A list's default is written as its flag would be (argparse passes a string default through `type`),
     # so that --help shows it as one types it.
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the endpoint's /v1 URL")
-    p.add_argument("--api-key", default=None, help="bearer key (default: none)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer key, visible to `ps` (default: --api-key-file's, else the first of $WAFER_API_KEY, "
+                        "else none)")
+    p.add_argument("--api-key-file", type=Path, default=None, help="a file whose first line is the bearer key")
     p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["chat", "completions", "responses"], default="chat",
                    help="which API to load")
@@ -80,6 +85,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write results.json, report.md and PNG plots here (default: only the table)")
 
 
+def bearer_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+    """The key the load is sent with: --api-key, --api-key-file's first line, the first key of
+    $WAFER_API_KEY (as `wafer serve` reads it), or none."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = [line.strip() for line in args.api_key_file.read_text().splitlines()]
+        except OSError as e:
+            raise WaferError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+        key = next((line for line in lines if line and not line.startswith("#")), None)
+        if key is None:
+            raise WaferError(f"--api-key-file {args.api_key_file}: no key in it")
+        return key
+    env = os.environ if env is None else env
+    return next((k.strip() for k in env.get("WAFER_API_KEY", "").split(",") if k.strip()), None)
+
+
 def _default_model(base_url: str, api_key: str | None) -> str:
     import httpx
 
@@ -96,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
     # bar and the paths written are diagnostics, on stderr.
     console = Console(stderr=True)
     tokenizer = load_tokenizer(args.tokenizer)
+    args.api_key = bearer_key(args)
     model = args.model or _default_model(args.base_url, args.api_key)
     slo = SLO.parse(args.slo)
     price = tuple(float(x) for x in args.price_per_mtok.split(",")) if args.price_per_mtok else None

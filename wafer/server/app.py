@@ -7,7 +7,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 import re
-import secrets
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,10 @@ from wafer.server.completions import CompletionHandler
 from wafer.server.errors import APIError, CatchAll, error_response
 from wafer.server.generation import OFF_LOOP_BYTES, ServedModel, off_loop, unless_disconnect
 from wafer.server.in_process import InProcessChat
+from wafer.server.caller import current_caller
+from wafer.server.key_store import KeyStore
 from wafer.server.metrics import ServerMetrics, StatusCounter
+from wafer.server.tenants import Gate, Tenancy
 from wafer.server.loop_monitor import LoopMonitor
 from wafer.server.openapi import install_openapi
 from wafer.server.streaming import EventStreamResponse
@@ -158,6 +160,13 @@ def unknown_model(name: str, router: Router) -> APIError:
     return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
+def not_allowed(name: str) -> APIError:
+    """OpenAI's 404 for a model the caller's key may not use (it does not say which it may)."""
+    shown = name if len(name) <= ECHOED_NAME_CHARS else name[: ECHOED_NAME_CHARS - 1] + "…"
+    return APIError(404, f"The model `{shown}` does not exist or you do not have access to it.",
+                    "invalid_request_error", "model", "model_not_found")
+
+
 def prompt_counter(served: ServedModel):  # type: ignore[no-untyped-def]
     """Tokens of a request's text by a local tokenizer: what the routing rules measure."""
 
@@ -209,6 +218,7 @@ def create_app(
     responses: ResponsesService | None = None,
     prices: dict[str, dict[str, float]] | None = None,
     subagent_model: str | None = None,
+    key_store: KeyStore | None = None,
 ) -> FastAPI:
     """The HTTP app over local models (each with its engine) and, through the router, upstreams.
     `protect_metrics`: /metrics and the dashboard's data need the API key too (by default they are
@@ -217,13 +227,16 @@ def create_app(
     made on first use). `responses`: the Responses API's service, when its model turns should run on
     something else than this app's own chat completions (a scripted model, in tests). `prices`: USD per
     million tokens by model name, for the agents' cost accounting. `subagent_model`: where Ultra's
-    sub-agents run unless a request says (default: the root's model)."""
+    sub-agents run unless a request says (default: the root's model). `key_store`: the tenants' keys
+    (wafer keys; wafer/server/tenants.py), beside `api_keys`, which are each a tenant of their own."""
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
     pools = {name: ReplicaSet(up) for name, up in upstreams.items() if up.replicas}
     metrics = next((m.metrics for m in served_list if m.metrics is not None), None) or ServerMetrics()
     metrics.add_replicas(pools)
+    metrics.prices = dict(prices or {})
+    tenancy = Tenancy(list(api_keys or []), key_store, metrics, protect_metrics)
     local: dict[str, tuple[ServedModel, ChatHandler, CompletionHandler]] = {}
     for served in served_list:
         served.metrics = metrics
@@ -254,17 +267,20 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         monitor.start()
         checks = asyncio.get_running_loop().create_task(check_replicas()) if pools else None
+        writing = asyncio.get_running_loop().create_task(tenancy.keep_writing()) if key_store else None
         yield
-        if checks is not None:
-            checks.cancel()
-            await asyncio.gather(checks, return_exceptions=True)
+        for task in (checks, writing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await tenancy.flush()  # the keys' use since the last write
         await monitor.stop()
         for service in agents:  # parked programs die with the server
             await service.close()
 
     app = FastAPI(title="wafer", docs_url=None, redoc_url=None, lifespan=lifespan)
     static = files("wafer.server") / "static"
-    keys = list(api_keys or [])
+    app.state.tenancy = tenancy
     app.state.served = served_list
     app.state.router = router
     app.state.agents = agents  # the Responses API's service, once made
@@ -279,25 +295,8 @@ def create_app(
         kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return error_response(APIError(e.status_code, str(e.detail), "invalid_request_error", None, kind))
 
-    async def authorize(request: Request) -> None:
-        """Bearer keys, when the server has any (a dependency, not middleware: Starlette's
-        BaseHTTPMiddleware would hide client disconnects from the handlers)."""
-        if not keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        challenge = {"WWW-Authenticate": "Bearer"}  # RFC 6750: what a 401 asks for
-        if not header:
-            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
-                           "invalid_request_error", None, "invalid_api_key", challenge)
-        # Compared as bytes: compare_digest refuses str with non-ASCII characters, and any client may send
-        # such a header (its bytes, which Starlette decoded as latin-1, against the key's UTF-8).
-        given = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not any(secrets.compare_digest(given, k.encode()) for k in keys):
-            raise APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key",
-                           challenge)
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(tenancy.authorize)])
+    limited = [Depends(tenancy.admit)]  # the generating routes: within the key's limits
 
     async def read_json(request: Request) -> Any:
         raw = await request.body()
@@ -324,6 +323,8 @@ def create_app(
             decision = await off_loop(heavy, router.resolve, req.model, body)
         except UnknownModel:
             raise unknown_model(req.model, router) from None
+        if not tenancy.allows(req.model, router.config.aliases):
+            raise not_allowed(req.model)
         metrics.routes.labels(decision.rule, decision.tier or "-").inc()
         headers = {"x-wafer-route": decision.rule, "x-wafer-tier": decision.tier or ""}
         failures = []
@@ -351,6 +352,10 @@ def create_app(
                 failures.append(str(e))
                 continue
             headers["x-wafer-model"] = up.model
+            usage = reply.json.get("usage") if reply.stream is None and isinstance(reply.json, dict) else None
+            if isinstance(usage, dict):  # an upstream's tokens are its tenant's too (a stream's are not counted)
+                metrics.tenant_usage(current_caller(), target, int(usage.get("prompt_tokens") or 0),
+                                     int(usage.get("completion_tokens") or 0))
             if reply.stream is not None:
                 return StreamingResponse(reply.stream, media_type="text/event-stream", headers=headers)
             if reply.retry_after is not None:
@@ -373,13 +378,13 @@ def create_app(
                                           if m.compute.get("warning")]},
                             status_code=200 if ok and not faults else 503)
 
-    monitoring = [Depends(authorize)] if protect_metrics else []
+    monitoring = [Depends(tenancy.monitor)]
 
     @app.get("/metrics", dependencies=monitoring)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", dependencies=[Depends(tenancy.monitor_page)])
     async def dashboard() -> Response:
         return Response((static / "dashboard.html").read_text(), media_type="text/html")
 
@@ -393,28 +398,31 @@ def create_app(
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in router.names]}
+        return {"object": "list", "data": [model_card(n) for n in router.names
+                                           if tenancy.allows(n, router.config.aliases)]}
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id not in router.names:
             raise unknown_model(model_id, router)
+        if not tenancy.allows(model_id, router.config.aliases):
+            raise not_allowed(model_id)
         return model_card(model_id)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", dependencies=limited)
     async def chat(request: Request) -> Response:
         return await dispatch("chat", request)
 
-    @v1.post("/completions")
+    @v1.post("/completions", dependencies=limited)
     async def completions(request: Request) -> Response:
         return await dispatch("completions", request)
 
-    @v1.post("/responses")
+    @v1.post("/responses", dependencies=limited)
     async def create_response(request: Request) -> Response:
         req = await off_loop(len(await request.body()) > OFF_LOOP_BYTES, parse_body, ResponseRequest,
                              await read_json(request))
         service = responses_service()
-        plan = await service.plan(req)
+        plan = await service.plan(req, request.state.tenant)
         if req.stream:
             return EventStreamResponse(sse(e) async for e in service.run(plan))
         final: dict[str, Any] = {}
@@ -430,12 +438,12 @@ def create_app(
         return JSONResponse(final["response"])
 
     @v1.get("/responses/{response_id}")
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return await responses_service().get(response_id)
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses_service().get(response_id, request.state.tenant)
 
     @v1.delete("/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict[str, Any]:
-        return await responses_service().delete(response_id)
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses_service().delete(response_id, request.state.tenant)
 
     @v1.get("/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
@@ -447,11 +455,13 @@ def create_app(
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be 'asc' or 'desc'.", "invalid_request_error", "order", "invalid_value")
-        return await responses_service().input_items(response_id, q.get("after"), int(limit), order)
+        return await responses_service().input_items(response_id, q.get("after"), int(limit), order,
+                                                     request.state.tenant)
 
     app.include_router(v1)
-    install_openapi(app, secured=bool(keys))
+    install_openapi(app, secured=tenancy.on)
     app.add_middleware(CatchAll)
+    app.add_middleware(Gate, tenancy=tenancy)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(StatusCounter, metrics=metrics)
     return app

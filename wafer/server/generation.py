@@ -31,6 +31,7 @@ from wafer.models.chat_template import ChatTemplate
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.tokenizer import TextTokenizer
 from wafer.config import REASONING_BUDGETS
+from wafer.server.caller import current_caller
 from wafer.server.errors import APIError, bad_request, server_error
 from wafer.server.metrics import RequestTimer, ServerMetrics
 from wafer.server.protocol import _Sampling
@@ -282,6 +283,7 @@ class GenerationHandler:
 
         if ping is not None:
             ticker = loop.call_later(ping, tick, taken)
+        completed = False
         try:
             done = 0
             while done < len(streams):
@@ -303,7 +305,12 @@ class GenerationHandler:
                 first = last[0]
                 timer.finish(_finish(first.finish_reason), n_prompt, sum(o.num_output_tokens for o in last.values())
                              + (phase.earlier_tokens if phase else 0), first.queue_time)
+            completed = True
         finally:
+            if timer is not None and (not completed or phase is None or phase.last):
+                # Cut short (the client went, a failure): what was computed is charged all the same.
+                timer.charge(n_prompt, sum(o.num_output_tokens for o in last.values())
+                             + (phase.earlier_tokens if phase else 0))
             if ticker is not None:
                 ticker.cancel()
             for r in streams:
@@ -370,6 +377,7 @@ class GenerationHandler:
     def _error_event(self, e: Exception, rid: str) -> str:
         if self.m.metrics is not None:  # the HTTP status was 200 already; count what it would have been
             self.m.metrics.error(e.status if isinstance(e, APIError) else 500, self.m.names[0])
+            self.m.metrics.tenant_error(current_caller(), e.status if isinstance(e, APIError) else 500)
         if isinstance(e, APIError):
             return sse(e.body())
         if isinstance(e, EngineStopped):

@@ -43,6 +43,7 @@ from wafer.router.config import (
 from wafer.router.router import Router
 from wafer.server.app import create_app, prompt_counter
 from wafer.server.generation import ServedModel
+from wafer.server.tenants import keys_in
 
 log = logging.getLogger("wafer.server")
 
@@ -376,10 +377,12 @@ def serve(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1 and len(cfg.models) != 1:
         raise ConfigError(f"under torchrun the ranks are one model's pipeline stages: serve one model (give its path), "
                           f"not {len(cfg.models)}")
+    key_store = keys_in(args.state_db)  # tenants' keys (wafer keys), when the state database holds any
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
     app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics,
-                     state_db=args.state_db, prices=cfg.prices(), subagent_model=cfg.subagent_model)
+                     state_db=args.state_db, prices=cfg.prices(), subagent_model=cfg.subagent_model,
+                     key_store=key_store)
     # uvicorn closes idle connections after 5 s by default, before the pools of most clients do
     # (aiohttp 15 s, Go 90 s, proxies more): a request sent on one as it closed was lost with
     # "Server disconnected" (once in bench/fuzz.py's 10,000 requests; vLLM has
@@ -395,6 +398,16 @@ def serve(args: argparse.Namespace) -> int:
         from wafer.kernels.build import tuning_line
 
         print(f"  kernels: {tuning_line()}", file=sys.stderr, flush=True)
+    if key_store is not None:
+        live = key_store.keys(revoked=False)
+        print(f"  keys: {len(live)} of {len({k.tenant for k in live})} tenants in the state database; /metrics and "
+              "the dashboard take an admin key", file=sys.stderr, flush=True)
+        if not any(k.admin for k in live) and not keys:
+            print("  WARNING no admin key: /metrics and the dashboard answer no one (`wafer keys add NAME --admin`)",
+                  file=sys.stderr, flush=True)
+    elif keys:
+        print(f"  keys: {len(keys)} of --api-key / $WAFER_API_KEY / --api-key-file, each a tenant of its own",
+              file=sys.stderr, flush=True)
     for m in served:
         print(f"  {m.names[0]}: compute path {m.compute['path']} on {m.compute['kernels']}", file=sys.stderr, flush=True)
         if (stages := m.engine.stats().pipeline) is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from wafer.server.caller import Caller, current_caller
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
             80.0, 160.0)
@@ -49,6 +52,8 @@ class RequestTimer:
     start: float = field(default_factory=arrival)
     first: float | None = None
     last: float | None = None  # when the latest token was produced
+    caller: Caller | None = field(default_factory=current_caller)  # whose tokens these are
+    charged: bool = False  # its tokens were charged to its tenant
     # Resolved once: `labels()` takes a lock and a lookup, and `tokens` runs for every token.
     _generated: Any = field(init=False, repr=False)
     _itl: Any = field(init=False, repr=False)
@@ -76,7 +81,14 @@ class RequestTimer:
             self.first = time.monotonic()
             self.metrics.ttft.labels(self.model).observe(self.first - self.start)
 
+    def charge(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """The request's tokens, to its tenant (once: when it finishes, or when it is cut short)."""
+        if not self.charged:
+            self.charged = True
+            self.metrics.tenant_usage(self.caller, self.model, prompt_tokens, generation_tokens)
+
     def finish(self, reason: str | None, prompt_tokens: int, generation_tokens: int, queue_time: float | None) -> None:
+        self.charge(prompt_tokens, generation_tokens)
         m, model = self.metrics, self.model
         now = time.monotonic()
         e2e = now - self.start
@@ -96,6 +108,12 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # USD per million tokens by model name ({"input": x, "output": y}), for the tenants' cost
+        self.prices: dict[str, dict[str, float]] = {}
+        # Told of each request's tokens (caller, prompt, completion, cost) and each error (caller,
+        # status) of a tenant: the keys' limits and their use by day.
+        self.usage_hooks: list[Callable[[Caller, int, int, float], None]] = []
+        self.error_hooks: list[Callable[[Caller, int], None]] = []
         r, lbl = self.registry, ["model_name"]
         self.ttft = Histogram("wafer:time_to_first_token_seconds",
                               "Time from the request's arrival to its first token (written, when streamed).", lbl,
@@ -140,6 +158,18 @@ class ServerMetrics:
         self.reasoning_tokens = Counter("wafer:reasoning_tokens", "Tokens of reasoning before the answer (a "
                                         "model's own thinking or wafer's reasoning turn), by reasoning_effort.",
                                         lbl + ["effort"], registry=r)
+        tl = ["tenant"]  # a key's tenant (wafer keys), where the server has keys
+        self.tenant_requests = Counter("wafer:tenant_requests", "Requests to the generating endpoints, by tenant "
+                                       "(those refused for a limit included).", tl, registry=r)
+        self.tenant_tokens = Counter("wafer:tenant_tokens", "Tokens read (input) and written (output) for each "
+                                     "tenant, by local models.", tl + ["direction"], registry=r)
+        self.tenant_cost = Counter("wafer:tenant_cost_usd", "Cost of each tenant's tokens, from the prices in "
+                                   "wafer.toml.", tl, registry=r)
+        self.tenant_errors = Counter("wafer:tenant_errors", "Requests of each tenant answered with an error, by "
+                                     "HTTP status.", tl + ["status"], registry=r)
+        self.tenant_limited = Counter("wafer:tenant_rate_limited", "Requests refused with a 429 for a key's limit, "
+                                      "by tenant and limit (requests, tokens, daily_tokens, concurrency).",
+                                      tl + ["limit"], registry=r)
         self.running = Gauge("wafer:num_requests_running", "Sequences in the running batch.", lbl, registry=r)
         self.waiting = Gauge("wafer:num_requests_waiting", "Requests waiting to run.", lbl, registry=r)
         self.kv = Gauge("wafer:kv_cache_usage_perc",
@@ -202,6 +232,40 @@ class ServerMetrics:
         for run in acct.get("programs") or []:
             self.agent_programs.labels(run["status"]).observe(run["seconds"])
 
+    def tenant_usage(self, caller: Caller | None, model: str, prompt: int, completion: int) -> None:
+        if caller is None or caller.tenant is None:
+            return
+        price = self.prices.get(model) or {}
+        cost = (prompt * price.get("input", 0.0) + completion * price.get("output", 0.0)) / 1e6
+        self.tenant_tokens.labels(caller.tenant, "input").inc(prompt)
+        self.tenant_tokens.labels(caller.tenant, "output").inc(completion)
+        self.tenant_cost.labels(caller.tenant).inc(cost)
+        for hook in self.usage_hooks:
+            hook(caller, prompt, completion, cost)
+
+    def tenant_error(self, caller: Caller | None, status: int) -> None:
+        if caller is None or caller.tenant is None:
+            return
+        self.tenant_errors.labels(caller.tenant, str(status)).inc()
+        for hook in self.error_hooks:
+            hook(caller, status)
+
+    def _tenants(self) -> dict[str, dict[str, float]]:
+        """Per tenant: requests, tokens read and written, cost, errors, requests refused for a limit."""
+        out: dict[str, dict[str, float]] = {}
+        for counter, key in ((self.tenant_requests, "requests"), (self.tenant_tokens, None),
+                             (self.tenant_cost, "cost_usd"), (self.tenant_errors, "errors"),
+                             (self.tenant_limited, "rate_limited")):
+            for metric in counter.collect():
+                for s in metric.samples:
+                    if s.name.endswith("_total"):
+                        name = key or ("input_tokens" if s.labels["direction"] == "input" else "output_tokens")
+                        row = out.setdefault(s.labels["tenant"], {"requests": 0, "input_tokens": 0,
+                                                                   "output_tokens": 0, "cost_usd": 0.0,
+                                                                   "errors": 0, "rate_limited": 0})
+                        row[name] = row.get(name, 0) + s.value
+        return out
+
     def reasoning(self, model: str, effort: str, tokens: int) -> None:
         self.reasoning_tokens.labels(model, effort).inc(tokens)
 
@@ -245,6 +309,7 @@ class ServerMetrics:
             "prompt_tokens_total": total(self.prompt_tokens),
             "requests_total": total(self.success),
             "agents": self._agents(),
+            "tenants": self._tenants(),
             "errors": errors,
             "running": sum(s.running for s in stats),
             "waiting": sum(s.waiting for s in stats),

@@ -90,6 +90,21 @@ function duration(v) {
   return v.toFixed(2) + " s";
 }
 
+// A table's rows, one per key of `rows` (sorted), each the cells `cells` makes; left as it is while empty.
+function table(selector, rows, cells) {
+  const keys = Object.keys(rows || {}).sort();
+  if (!keys.length) return;
+  document.querySelector(selector + " tbody").replaceChildren(...keys.map((k) => {
+    const row = document.createElement("tr");
+    cells(k, rows[k]).forEach((v) => {
+      const cell = document.createElement("td");
+      cell.textContent = v;
+      row.appendChild(cell);
+    });
+    return row;
+  }));
+}
+
 async function tick() {
   try {
     const r = await fetch("/dashboard/data", { cache: "no-store" });
@@ -109,21 +124,10 @@ async function tick() {
     document.getElementById("kv").textContent = (100 * d.kv_cache_usage).toFixed(1) + "%";
     document.getElementById("req").textContent = d.requests_total;
     document.getElementById("err").textContent = errors;
-    const modes = Object.keys(d.agents || {}).sort();
-    if (modes.length) {
-      const body = document.querySelector("#agents tbody");
-      body.replaceChildren(...modes.map((m) => {
-        const row = document.createElement("tr");
-        const a = d.agents[m];
-        [m, a.responses || 0, a.turns || 0, a.tokens_read || 0, a.tokens_written || 0,
-         (a.seconds || 0).toFixed(1), (a.cost_usd || 0).toFixed(4)].forEach((v) => {
-          const cell = document.createElement("td");
-          cell.textContent = v;
-          row.appendChild(cell);
-        });
-        return row;
-      }));
-    }
+    table("#agents", d.agents, (m, a) => [m, a.responses || 0, a.turns || 0, a.tokens_read || 0,
+      a.tokens_written || 0, (a.seconds || 0).toFixed(1), (a.cost_usd || 0).toFixed(4)]);
+    table("#tenants", d.tenants, (t, a) => [t, a.requests || 0, a.input_tokens || 0, a.output_tokens || 0,
+      (a.cost_usd || 0).toFixed(4), a.errors || 0, a.rate_limited || 0]);
     push("tps", [tps]); push("ttft", [d.ttft_p50, d.ttft_p95]); push("e2e", [d.e2e_p50, d.e2e_p95]);
     push("rw", [d.running, d.waiting]); push("kv", [100 * d.kv_cache_usage]); push("err", [errors]);
     Object.keys(series).forEach(draw);

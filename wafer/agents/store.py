@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Float, String, Text, create_engine, delete, event, select
+from sqlalchemy import Engine, Float, String, Text, create_engine, delete, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 
@@ -48,16 +48,23 @@ def database_url(where: str | Path | None) -> str:
     return f"sqlite:///{path}"
 
 
+def open_database(where: str | Path | None) -> Engine:
+    """The SQLAlchemy engine of `--state-db` (database_url), shared by every store of the server's state."""
+    url = database_url(where)
+    engine = create_engine(url)
+    if url.startswith("sqlite"):
+        # Several servers (or a restarted one) may open the same file: WAL lets readers in while one writes.
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn: Any, _: Any) -> None:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+    return engine
+
+
 class ResponseStore:
     def __init__(self, where: str | Path | None = None) -> None:
+        self.engine = open_database(where)
         self.url = database_url(where)
-        self.engine = create_engine(self.url)
-        if self.url.startswith("sqlite"):
-            # Several servers (or a restarted one) may open the same file: WAL lets readers in while one writes.
-            @event.listens_for(self.engine, "connect")
-            def _pragmas(conn: Any, _: Any) -> None:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA busy_timeout=5000")
         _Base.metadata.create_all(self.engine)
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],

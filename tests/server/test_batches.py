@@ -1,6 +1,8 @@
 """The Batch API with the official `openai` SDK: files, a batch of 200 lines (some bad) with its
 output and error files, the other endpoints, cancelling, a restart in the middle of a batch, and
-another tenant's files and batches not found. On the bundled model, greedy, a few tokens a line."""
+another tenant's files and batches not found. On a tiny random model (tests/tiny.py: SmolLM2's
+tokenizer and chat template, two small layers), greedy, a token or a few a line: what is tested is
+the API and the bookkeeping, and 200 lines of the bundled model cost several times as much."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 from tests.serving import start_server
 from wafer.server.batch_store import BatchStore
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny"
 FILE_LIMIT = 100_000  # bytes: the module's server takes files up to this (--max-file-bytes)
 
 
@@ -23,9 +25,16 @@ def _client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def batch_server(smollm, tmp_path_factory):
+def tiny(tiny_dir):
+    from wafer.models.loader import load_model
+
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def batch_server(tiny, tmp_path_factory):
     db = tmp_path_factory.mktemp("state") / "state.db"
-    server = start_server(smollm, names=[MODEL], state_db=db, max_file_bytes=FILE_LIMIT)
+    server = start_server(tiny, names=[MODEL], state_db=db, max_file_bytes=FILE_LIMIT)
     yield server, _client(server), db
     server.stop()
 
@@ -215,10 +224,10 @@ def test_a_batch_can_be_cancelled(batch_server):
     assert e.value.status_code == 409
 
 
-def test_a_batch_resumes_after_a_restart_and_lines_done_stay_done(smollm, tmp_path):
+def test_a_batch_resumes_after_a_restart_and_lines_done_stay_done(tiny, tmp_path):
     db = tmp_path / "state.db"
     lines = [chat_line(f"r{i}", f"Count to {i}.", max_tokens=24, ignore_eos=True) for i in range(48)]
-    first = start_server(smollm, names=[MODEL], state_db=db, max_running=4)
+    first = start_server(tiny, names=[MODEL], state_db=db, max_running=4)
     try:
         client = _client(first)
         b = client.batches.create(input_file_id=upload(client, jsonl(lines)).id, endpoint="/v1/chat/completions",
@@ -232,7 +241,7 @@ def test_a_batch_resumes_after_a_restart_and_lines_done_stay_done(smollm, tmp_pa
     store.close()
     assert 4 <= len(before) < 48 and len(before) + len(pending) == 48
 
-    second = start_server(smollm, names=[MODEL], state_db=db)
+    second = start_server(tiny, names=[MODEL], state_db=db)
     try:
         client = _client(second)
         done = wait_for(client, b.id, final)

@@ -163,6 +163,11 @@ class AsyncEngine:
         return self.engine.num_running
 
     @property
+    def max_running(self) -> int:
+        """The most sequences the engine runs at once."""
+        return self.engine.scheduler.max_running
+
+    @property
     def idle(self) -> bool:
         return self._pending == 0 and not self.engine.has_work
 

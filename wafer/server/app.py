@@ -280,7 +280,7 @@ def create_app(
         return response.status_code, json.loads(raw) if raw else {}
 
     # As many lines at a time as the largest engine runs sequences: each line takes one when idle.
-    window = max(m.engine.engine.scheduler.max_running for m in served_list)
+    window = max(m.engine.max_running for m in served_list)
     batches = Batches(batch_store, execute_line, window)
 
     def existing_store() -> bool:

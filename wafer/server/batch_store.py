@@ -186,12 +186,16 @@ class BatchStore:
                              .where(_Line.batch_id == bid, _Line.done_at.is_(None)).order_by(_Line.line)).all()
         return [(r.line, r.custom_id, json.loads(r.request)) for r in rows]
 
-    def finish_line(self, bid: str, line: int, ok: bool, result: dict[str, Any], input_tokens: int = 0,
-                    output_tokens: int = 0) -> None:
+    def finish_lines(self, bid: str, rows: list[tuple[Any, ...]]) -> None:
+        """Results of lines, in one transaction: each (line, ok, result line, input tokens, output tokens),
+        the tokens optional."""
+        now = time.time()
         with Session(self.engine) as s, s.begin():
-            s.execute(update(_Line).where(_Line.batch_id == bid, _Line.line == line, _Line.done_at.is_(None))
-                      .values(done_at=time.time(), ok=int(ok), result=json.dumps(result), input_tokens=input_tokens,
-                              output_tokens=output_tokens))
+            for line, ok, result, *tokens in rows:
+                tin, tout = (tokens + [0, 0])[:2]
+                s.execute(update(_Line).where(_Line.batch_id == bid, _Line.line == line, _Line.done_at.is_(None))
+                          .values(done_at=now, ok=int(ok), result=json.dumps(result), input_tokens=tin,
+                                  output_tokens=tout))
 
     def results(self, bid: str) -> tuple[bytes, bytes]:
         """The output file's and the error file's contents: the lines with a result, in the input's order."""

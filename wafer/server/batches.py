@@ -33,6 +33,7 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 # Seconds before a line the server could not take (429: its queue full; 503: shutting down, a stage
 # down) is tried again: such a line has no result yet, and is not failed for the server's state.
 RETRY_SECONDS = 1.0
+WRITE_TRIES = 5  # writes of results tried before the batch fails
 
 # A line's request, run through an endpoint: (url, body, owner) -> (HTTP status, JSON body).
 Execute = Callable[[str, dict[str, Any], "str | None"], Awaitable[tuple[int, dict[str, Any]]]]
@@ -253,15 +254,30 @@ class Batches:
         todo = deque(await self._call(store.pending, bid))
         url = batch["endpoint"]
         expired = False
-        # A line's result is written in a thread while its worker goes on to the next line: the
-        # workers then submit their next lines together, into one step, rather than one a step as
-        # each write returns.
-        writes: set[asyncio.Future[None]] = set()
+        # Results are written by one writer, in a thread, all those that came meanwhile in one
+        # transaction, while the workers go on to their next lines: they then submit those together,
+        # into one step, rather than one a step as each write returns; and SQLite has one writer.
+        unwritten: list[tuple[Any, ...]] = []
+        writer: list[asyncio.Future[None]] = []
+
+        async def flush() -> None:
+            while unwritten:
+                rows = unwritten[:]
+                del unwritten[:]
+                for attempt in range(WRITE_TRIES):
+                    try:
+                        await self._call(store.finish_lines, bid, rows)
+                        break
+                    except Exception as e:  # a database busy past its timeout, say: the rows wait and go again
+                        if attempt == WRITE_TRIES - 1:
+                            raise
+                        log.warning("batch %s: writing %d results failed (%s); retrying", bid, len(rows), e)
+                        await asyncio.sleep(RETRY_SECONDS)
 
         def write(*args: Any) -> None:
-            done = asyncio.ensure_future(self._call(store.finish_line, bid, *args))
-            writes.add(done)
-            done.add_done_callback(writes.discard)
+            unwritten.append(args)
+            if not writer or writer[0].done():
+                writer[:] = [asyncio.ensure_future(flush())]
 
         async def worker() -> None:
             nonlocal expired
@@ -289,7 +305,12 @@ class Batches:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-            await asyncio.gather(*writes, return_exceptions=True)  # every result kept before the files are made
+            while writer and not writer[0].done() or unwritten:  # every result kept before the files are made
+                if not writer or writer[0].done():
+                    writer[:] = [asyncio.ensure_future(flush())]
+                await asyncio.gather(writer[0], return_exceptions=True)
+        if writer and not writer[0].cancelled() and writer[0].exception() is not None:
+            raise writer[0].exception()  # type: ignore[misc]  # results lost: the batch fails, saying so
         return not expired
 
     async def _finalize(self, batch: dict[str, Any], status: str) -> None:

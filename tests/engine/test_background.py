@@ -126,3 +126,21 @@ def test_a_batch_sequence_short_of_a_block_never_takes_an_interactive_ones():
     out = sched.schedule()  # the batch sequence wants a second block: it waits, though admitted first
     assert [i.seq for i in out] == [chat] and sched.preempted == [batch]
     assert chat.status is Status.RUNNING
+
+
+def test_batch_prompts_take_a_share_of_a_steps_prompt_work():
+    """A step that an interactive request may arrive during is one it waits for: batch prompts get
+    BACKGROUND_PROMPT_SHARE of the step's prompt work, an interactive one all of it."""
+    from wafer.engine.scheduler import BACKGROUND_PROMPT_SHARE
+
+    blocks, sched = _scheduler()
+    batch = [_seq(list(range(1, 61)), background=True) for _ in range(2)]
+    for s in batch:
+        sched.add(s)
+    out = sched.schedule(prefill_cap=80)
+    assert [(i.seq, i.count) for i in out] == [(batch[0], int(80 * BACKGROUND_PROMPT_SHARE))]
+    _step(blocks, out)
+    chat = _seq([5] * 60)
+    sched.add(chat)
+    out = sched.schedule(prefill_cap=80)
+    assert [(i.seq, i.count) for i in out] == [(chat, 60)]

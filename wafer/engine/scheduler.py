@@ -27,6 +27,10 @@ from wafer.engine.step_cost import positions_of, tokens_within
 # A prompt that gets a chunk in a step gets at least this many of its tokens, however far into a
 # long context it is and however little of the step's prompt work is left.
 MIN_CHUNK = 8
+# The share of a step's prompt work (prefill_step_ms) that background prompts may take: a step is
+# what an interactive request that arrives during it waits for before its own prompt is read, and
+# batch work keeps those steps short.
+BACKGROUND_PROMPT_SHARE = 0.25
 
 
 @dataclass(eq=False)
@@ -156,33 +160,38 @@ class Scheduler:
             else:
                 prefilling.append(seq)
         work = float(prefill_cap) if prefill_cap is not None else math.inf
+        background_work = work * BACKGROUND_PROMPT_SHARE
 
-        def within(start: int) -> int:  # prompt tokens from `start` that the work left allows
-            return budget if work == math.inf else max(MIN_CHUNK, tokens_within(work, start, per_position))
+        def within(start: int, background: bool) -> int:  # prompt tokens from `start` that the work left allows
+            left = min(work, background_work) if background else work
+            return budget if left == math.inf else max(MIN_CHUNK, tokens_within(left, start, per_position))
 
-        def spend(start: int, n: int) -> None:
-            nonlocal budget, work
+        def spend(start: int, n: int, background: bool) -> None:
+            nonlocal budget, work, background_work
             budget -= n
-            work -= n + per_position * positions_of(start, n)
+            cost = n + per_position * positions_of(start, n)
+            work -= cost
+            if background:
+                background_work -= cost
 
         for seq in prefilling:
             if budget <= 0 or work <= 0:
                 break
-            if seq.status is not Status.RUNNING:
+            if seq.status is not Status.RUNNING or (seq.background and background_work <= 0):
                 continue
-            n = self._chunk(seq, min(budget, within(seq.num_cached)), out, busy)
+            n = self._chunk(seq, min(budget, within(seq.num_cached, seq.background)), out, busy)
             if n:
                 self.blocks.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
                 out.append(ScheduledSeq(seq, seq.num_cached, n))
-                spend(seq.num_cached, n)
+                spend(seq.num_cached, n, seq.background)
         # With steps in flight (pipeline stages) the blocks a step computes are indexed only when it
         # comes back, after the next step is scheduled: waiting for them there would gain nothing.
         wait_for_shared = self.prefix_caching and not busy
         held: list[Sequence] = []  # waiting a step for blocks computed in this one; the rest go on
         while self.waiting and budget > 0 and work > 0 and len(out) < room:
             seq = self.waiting[0]
-            if seq.background and (urgent or any(not h.background for h in held)):
-                break  # batch work is admitted only in a step with no interactive prompt
+            if seq.background and (urgent or background_work <= 0 or any(not h.background for h in held)):
+                break  # batch work is admitted only in a step with no interactive prompt, within its share
             if len(self.running) >= self.max_running or not self.blocks.num_free:
                 if not seq.background and self._preempt_background(out, busy):
                     continue  # an interactive sequence takes a background one's slot or blocks
@@ -191,7 +200,8 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 continue
             slot, reused = self.blocks.allocate(seq.tokens if self.prefix_caching else None)
-            n = min(len(seq.tokens) - reused, budget, within(reused), self.blocks.room(slot, len(seq.tokens)) - reused)
+            n = min(len(seq.tokens) - reused, budget, within(reused, seq.background),
+                    self.blocks.room(slot, len(seq.tokens)) - reused)
             if n <= 0:  # not a block free for it: it waits for a sequence to end, or takes a background one's
                 self.blocks.free(slot)
                 if not seq.background and self._preempt_background(out, busy):
@@ -206,7 +216,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, seq.num_cached, n))
-            spend(reused, n)
+            spend(reused, n, seq.background)
         self.waiting.extendleft(reversed(held))  # at the head, in their order
         return out
 

@@ -10,6 +10,7 @@ import io
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -94,7 +95,7 @@ def test_files_are_uploaded_listed_read_and_deleted(batch_server):
 
 
 def test_a_file_over_the_limit_or_of_another_purpose_is_refused(batch_server):
-    _, client, _ = batch_server
+    server, client, _ = batch_server
     with pytest.raises(openai.APIStatusError) as e:
         upload(client, b"x" * (FILE_LIMIT + 1))
     assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
@@ -106,6 +107,9 @@ def test_a_file_over_the_limit_or_of_another_purpose_is_refused(batch_server):
                               completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    paths = httpx.get(server.base_url + "/openapi.json").json()["paths"]  # each error status is documented
+    assert {"400", "413"} <= set(paths["/v1/files"]["post"]["responses"])
+    assert {"404", "409"} <= set(paths["/v1/batches/{batch_id}/cancel"]["post"]["responses"])
 
 
 def test_another_tenants_files_and_batches_are_not_found(batch_server):

@@ -106,13 +106,16 @@ def _tokens(body: dict[str, Any]) -> tuple[int, int]:
 
 
 class Batches:
-    """The batches of one server: creating, reading and cancelling them, and running each (its
-    lines `window` at a time, through `execute`) as a task of the server's loop."""
+    """The batches of one server: creating, reading and cancelling them, and running each as a task
+    of the server's loop, their lines through `execute`, at most `window` at a time in all (so that
+    however many batches run, their lines never fill the engine's queue, whose limit turns
+    interactive requests away with a 429)."""
 
     def __init__(self, store: Callable[[], BatchStore], execute: Execute, window: int) -> None:
         self._store = store
         self.execute = execute
         self.window = window
+        self.slots = asyncio.Semaphore(window)
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
     @property
@@ -289,7 +292,8 @@ class Batches:
                                                   "before the completion window expired."))
                     continue
                 while True:
-                    status, answer = await self.execute(url, body, owner)
+                    async with self.slots:
+                        status, answer = await self.execute(url, body, owner)
                     if status not in (429, 503):
                         break
                     await asyncio.sleep(RETRY_SECONDS)

@@ -271,13 +271,13 @@ def create_app(
                 response = await respond(body, request)
             else:
                 response = await answer("chat" if url == "/v1/chat/completions" else "completions", body, request)
+            raw = bytes(response.body)  # (a whole answer: the line asked for no stream)
+            return response.status_code, json.loads(raw) if raw else {}
         except APIError as e:
             return e.status, e.body()
         except Exception:
             log.exception("a batch line failed")
             return 500, APIError(500, "Internal error.", "server_error", None, "internal_error").body()
-        raw = bytes(response.body)
-        return response.status_code, json.loads(raw) if raw else {}
 
     # As many lines at a time as the largest engine runs sequences: each line takes one when idle.
     window = max(m.engine.max_running for m in served_list)
@@ -304,6 +304,8 @@ def create_app(
                 log.exception("could not resume the batches of %s", state_db or default_path())
         yield
         await batches.close()  # their running lines stop and keep no result: they run after a restart
+        for store in stores:
+            store.close()
         if checks is not None:
             checks.cancel()
             await asyncio.gather(checks, return_exceptions=True)

@@ -354,6 +354,14 @@ def test_the_ultra_example_plans_runs_agents_and_synthesises(scripted):
     assert [line.split()[0] for line in out[:-1]] == ["root", "agent_1", "agent_2", "agent_3"], out
 
 
+def test_the_batch_example_runs_as_written(make_serve):
+    (lang, code), = blocks(section(README.read_text(), "Batch API"))
+    out = run_block(lang, at(make_serve, code)).splitlines()
+    assert out[0].startswith("completed ") and "completed=3, failed=0, total=3" in out[0], out
+    assert [line.split()[0] for line in out[1:]] == ["q1", "q2", "q3"], out
+    assert all(len(line.split()) > 1 for line in out[1:]), out  # each with its answer
+
+
 def test_every_readme_example_is_run_by_a_test():
     """A new example in the README's quick start or agents section needs a test here."""
     readme = README.read_text()
@@ -361,3 +369,4 @@ def test_every_readme_example_is_run_by_a_test():
     titles = re.findall(r"^\*\*([^*]+)\*\*", section(readme, "Agents"), re.MULTILINE)
     assert titles == ["Programmatic tool calling", "Ultra", "Max"]
     assert len(blocks(section(readme, "Agents"))) == len(titles)
+    assert len(blocks(section(readme, "Batch API"))) == 1

@@ -412,9 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "or --api-key-file)")
     s.add_argument("--api-key-file", default=None, help="file of accepted bearer keys, one per line")
     s.add_argument("--state-db", default=None, metavar="PATH|URL",
-                   help="where /v1/responses keeps stored responses: a SQLite file, or a SQLAlchemy URL such as "
+                   help="where /v1/responses keeps stored responses, and the Batch API its files and batches: a "
+                        "SQLite file, or a SQLAlchemy URL such as "
                         "postgresql://... for a store several servers share (default: state.db under "
                         "$WAFER_DATA_DIR, else ~/.local/share/wafer, made on first use)")
+    s.add_argument("--max-file-bytes", type=int, default=ServerSettings.max_file_bytes, metavar="BYTES",
+                   help="the largest file /v1/files takes (a Batch API input; OpenAI's limit, 200 MB)")
     s.add_argument("--protect-metrics", action="store_true",
                    help="/metrics and the dashboard's data need the API key too (default: open, as in vLLM)")
     s.add_argument("--max-running", type=int, default=EngineSettings.max_running, help="sequences decoded together")

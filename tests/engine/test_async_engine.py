@@ -115,3 +115,30 @@ def test_slow_steps_log_nothing_at_info_while_held_back(caplog):
             slow_log(async_engine.StepTiming(0.25, 4, 0))
     assert len(caplog.records) == 6 and all(r.levelno == logging.INFO for r in caplog.records)
     assert "[and 29 more slow steps" in caplog.records[1].getMessage()
+
+
+def test_batch_work_is_stopped_on_shutdown_with_nothing_delivered_as_an_answer(tiny_dir):
+    """Batch lines are not drained nor cut short on shutdown (stop_background, finish_all): they get
+    EngineStopped and run again after a restart; interactive requests go on, or end with what they have."""
+    from wafer.engine.async_engine import EngineStopped
+
+    engine = AsyncEngine(LLMEngine(load_model(str(tiny_dir)), EngineConfig(max_running=4, max_model_len=128)))
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    chat = engine.submit([1, 5, 9], params)
+    line = engine.submit([1, 7, 7], params, background=True)
+    other = engine.submit([1, 8, 8], params, background=True)
+    for _ in range(3):
+        engine.poll()
+    assert len(drain(line.queue)) > 0  # it ran beside the interactive one once its prompt was read
+    engine.stop_background()
+    engine.poll()
+    assert isinstance(drain(line.queue)[-1], EngineStopped) and isinstance(drain(other.queue)[-1], EngineStopped)
+    assert engine.num_running == 1 and all(isinstance(o, SequenceOutput) for o in drain(chat.queue))
+    late = engine.submit([1, 6, 6], params, background=True)
+    engine.poll()
+    engine.poll()
+    engine.finish_all()
+    engine.poll()
+    assert drain(chat.queue)[-1].finished
+    assert isinstance(drain(late.queue)[-1], EngineStopped)
+    assert engine.idle

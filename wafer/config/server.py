@@ -14,6 +14,8 @@ class ServerSettings:
     # client closes first and never sends a request on a connection as the server closes it.
     keep_alive: float = 120.0
     log_level: str = "info"
+    # Bytes a file uploaded to /v1/files may have (a Batch API input): OpenAI's limit, 200 MB.
+    max_file_bytes: int = 200 * 1024 * 1024
 
 
 # Tokens of reasoning per effort level before the answer (wafer.toml's [reasoning] overrides them);

@@ -126,6 +126,7 @@ class EngineRequest:
     key: int | None = None  # set: items go into the queue as (key, item)
     seq_id: int | None = None
     arrived: float = field(default_factory=time.monotonic)
+    background: bool = False  # batch work: runs where interactive requests leave room
 
 
 class AsyncEngine:
@@ -162,6 +163,11 @@ class AsyncEngine:
         return self.engine.num_running
 
     @property
+    def max_running(self) -> int:
+        """The most sequences the engine runs at once."""
+        return self.engine.scheduler.max_running
+
+    @property
     def idle(self) -> bool:
         return self._pending == 0 and not self.engine.has_work
 
@@ -193,17 +199,18 @@ class AsyncEngine:
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag: str = "",
-               queue: asyncio.Queue | None = None, key: int | None = None) -> EngineRequest:
+               queue: asyncio.Queue | None = None, key: int | None = None,
+               background: bool = False) -> EngineRequest:
         """Queue a request now (admission is decided here, not when its outputs are first read). Its
         outputs, and an exception if it fails, go into `queue` (a new one by default), as (key, item)
         when `key` is given: requests that share a queue are read by one consumer, with no task
-        between the step and it."""
+        between the step and it. `background`: batch work, scheduled below interactive requests."""
         if not self.accepting:
             raise EngineStopped("the server is shutting down")
         if self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are already waiting")
         req = EngineRequest(next(self._rids), list(prompt_ids), params,
-                            asyncio.Queue() if queue is None else queue, tag, key)
+                            asyncio.Queue() if queue is None else queue, tag, key, background=background)
         self._pending += 1
         self._inbox.append(("add", req))
         self._nudge()
@@ -211,6 +218,12 @@ class AsyncEngine:
 
     def abort(self, req: EngineRequest) -> None:
         self._inbox.append(("abort", req))
+        self._nudge()
+
+    def stop_background(self) -> None:
+        """End every background request now with EngineStopped, nothing of it delivered as an answer:
+        batch lines are not cut short on shutdown but left to run again after a restart."""
+        self._inbox.append(("stop_background", None))
         self._nudge()
 
     def finish_all(self, reason: str = "length") -> None:
@@ -229,7 +242,7 @@ class AsyncEngine:
                 req = arg
                 self._pending -= 1
                 try:
-                    seq = self.engine.add(req.prompt_ids, req.params, req.arrived)
+                    seq = self.engine.add(req.prompt_ids, req.params, req.arrived, req.background)
                 except ValueError as e:
                     self._deliver(req, e)
                     continue
@@ -243,6 +256,14 @@ class AsyncEngine:
                     self.engine.abort(req.seq_id)
             elif kind == "finish_all":
                 self._finish_all(arg)
+            elif kind == "stop_background":
+                for req in [r for r in self._requests.values() if r.background]:
+                    self._requests.pop(req.rid, None)
+                    if req.seq_id is not None:
+                        self._by_seq.pop(req.seq_id, None)
+                        self.engine.abort(req.seq_id)
+                    self._deliver(req, EngineStopped("the server is shutting down; this batch line runs again "
+                                                     "after a restart"))
 
     def _finish_all(self, reason: str) -> None:
         for req in list(self._requests.values()):
@@ -250,7 +271,8 @@ class AsyncEngine:
             n_out = len(seq.output_ids) if seq else 0
             text = seq.text[seq.emitted :] if seq else ""
             self.engine.abort(req.seq_id)  # type: ignore[arg-type]
-            if n_out == 0:  # never started: an empty "answer" would read as one; say it was not served
+            if n_out == 0 or req.background:  # never started (an empty "answer" would read as one), or batch
+                # work, which runs again after a restart rather than be kept cut short: say it was not served
                 self._deliver(req, EngineStopped("the server shut down before this request was served"))
                 continue
             self._deliver(req, SequenceOutput(req.seq_id or -1, [], text, True, reason, [],

@@ -99,9 +99,11 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len}")
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None) -> Sequence:
+    def add(self, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
+            background: bool = False) -> Sequence:
+        """`background`: batch work, which runs only where interactive sequences leave room."""
         self.check(prompt_ids)
-        seq = Sequence(list(prompt_ids), params)
+        seq = Sequence(list(prompt_ids), params, background=background)
         if params.compiled is not None:
             seq.matcher = params.compiled.deep_copy()
         elif params.grammar is not None:

@@ -3,6 +3,12 @@
 Every running sequence that has finished its prompt decodes one token per step. Prompts are
 prefilled in chunks from a per-step budget of tokens and of work, so a long prompt never stalls the
 decoders.
+
+Background sequences (the Batch API's lines) run only where interactive ones leave room: they wait
+behind every interactive sequence, are admitted only in a step that has no interactive prompt to
+read, sit out (keeping their blocks) every step that has one, and are preempted first, for an
+interactive sequence's slot or blocks. An interactive request's first token so waits for no batch
+work but the step in flight when it came.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ from wafer.engine.step_cost import positions_of, tokens_within
 # A prompt that gets a chunk in a step gets at least this many of its tokens, however far into a
 # long context it is and however little of the step's prompt work is left.
 MIN_CHUNK = 8
+# The share of a step's prompt work (prefill_step_ms) that background prompts may take: a step is
+# what an interactive request that arrives during it waits for before its own prompt is read, and
+# batch work keeps those steps short.
+BACKGROUND_PROMPT_SHARE = 0.25
 
 
 @dataclass(eq=False)
@@ -86,7 +96,26 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue `seq`: an interactive one after the interactive ones waiting, before any background one."""
+        if seq.background:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(self._interactive_waiting(), seq)
+
+    def _interactive_waiting(self) -> int:
+        """How many interactive sequences wait (they are the head of the queue)."""
+        n = 0
+        for seq in self.waiting:
+            if seq.background:
+                break
+            n += 1
+        return n
+
+    def _interactive_prompt(self) -> bool:
+        """Whether an interactive sequence waits or has prompt tokens left to compute: then no step
+        carries background work, which would lengthen the steps that lead to its first token."""
+        return (bool(self.waiting) and not self.waiting[0].background) or any(
+            not seq.background and len(seq.tokens) - seq.num_cached > 1 for seq in self.running)
 
     @property
     def has_work(self) -> bool:
@@ -101,8 +130,8 @@ class Scheduler:
         which steps the engine, answers no one. A prompt that gets a chunk gets at least MIN_CHUNK
         tokens of it.
 
-        Running sequences are served in the order they were admitted. When the cache has no block
-        for one of them, the sequence admitted last is preempted: its blocks go back (its full ones
+        Running sequences are served in the order they were admitted, interactive ones first. When
+        the cache has no block for one of them, a background sequence is preempted, else the one admitted last: its blocks go back (its full ones
         stay findable as a cached prefix) and it waits at the head of the queue to be computed
         again, as vLLM does.
 
@@ -113,8 +142,13 @@ class Scheduler:
         room = max_seqs if max_seqs is not None else len(self.running) + len(self.waiting)
         budget = self.max_batched_tokens
         prefilling: list[Sequence] = []
-        for seq in list(self.running):
+        urgent = self._interactive_prompt()
+        # Interactive sequences first (each kind in the order admitted): they take the blocks there are
+        # before batch work is scheduled, and so cannot be preempted for it.
+        for seq in sorted(self.running, key=lambda s: s.background):
             if seq.status is not Status.RUNNING or seq.seq_id in busy:  # (or preempted earlier in this loop)
+                continue
+            if urgent and seq.background:  # sits this step out, its blocks kept
                 continue
             if len(out) + len(prefilling) >= room:
                 break
@@ -126,39 +160,52 @@ class Scheduler:
             else:
                 prefilling.append(seq)
         work = float(prefill_cap) if prefill_cap is not None else math.inf
+        background_work = work * BACKGROUND_PROMPT_SHARE
 
-        def within(start: int) -> int:  # prompt tokens from `start` that the work left allows
-            return budget if work == math.inf else max(MIN_CHUNK, tokens_within(work, start, per_position))
+        def within(start: int, background: bool) -> int:  # prompt tokens from `start` that the work left allows
+            left = min(work, background_work) if background else work
+            return budget if left == math.inf else max(MIN_CHUNK, tokens_within(left, start, per_position))
 
-        def spend(start: int, n: int) -> None:
-            nonlocal budget, work
+        def spend(start: int, n: int, background: bool) -> None:
+            nonlocal budget, work, background_work
             budget -= n
-            work -= n + per_position * positions_of(start, n)
+            cost = n + per_position * positions_of(start, n)
+            work -= cost
+            if background:
+                background_work -= cost
 
         for seq in prefilling:
             if budget <= 0 or work <= 0:
                 break
-            if seq.status is not Status.RUNNING:
+            if seq.status is not Status.RUNNING or (seq.background and background_work <= 0):
                 continue
-            n = self._chunk(seq, min(budget, within(seq.num_cached)), out, busy)
+            n = self._chunk(seq, min(budget, within(seq.num_cached, seq.background)), out, busy)
             if n:
                 self.blocks.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
                 out.append(ScheduledSeq(seq, seq.num_cached, n))
-                spend(seq.num_cached, n)
+                spend(seq.num_cached, n, seq.background)
         # With steps in flight (pipeline stages) the blocks a step computes are indexed only when it
         # comes back, after the next step is scheduled: waiting for them there would gain nothing.
         wait_for_shared = self.prefix_caching and not busy
         held: list[Sequence] = []  # waiting a step for blocks computed in this one; the rest go on
-        while (self.waiting and budget > 0 and work > 0 and len(out) < room
-               and len(self.running) < self.max_running and self.blocks.num_free):
+        while self.waiting and budget > 0 and work > 0 and len(out) < room:
             seq = self.waiting[0]
+            if seq.background and (urgent or background_work <= 0 or any(not h.background for h in held)):
+                break  # batch work is admitted only in a step with no interactive prompt, within its share
+            if len(self.running) >= self.max_running or not self.blocks.num_free:
+                if not seq.background and self._preempt_background(out, busy):
+                    continue  # an interactive sequence takes a background one's slot or blocks
+                break
             if wait_for_shared and _computed_beside(seq, out):
                 held.append(self.waiting.popleft())
                 continue
             slot, reused = self.blocks.allocate(seq.tokens if self.prefix_caching else None)
-            n = min(len(seq.tokens) - reused, budget, within(reused), self.blocks.room(slot, len(seq.tokens)) - reused)
-            if n <= 0:  # not a block free for it: it waits for a sequence to end
+            n = min(len(seq.tokens) - reused, budget, within(reused, seq.background),
+                    self.blocks.room(slot, len(seq.tokens)) - reused)
+            if n <= 0:  # not a block free for it: it waits for a sequence to end, or takes a background one's
                 self.blocks.free(slot)
+                if not seq.background and self._preempt_background(out, busy):
+                    continue
                 break
             self.waiting.popleft()
             self.blocks.reserve(slot, reused + n)
@@ -169,7 +216,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, seq.num_cached, n))
-            spend(reused, n)
+            spend(reused, n, seq.background)
         self.waiting.extendleft(reversed(held))  # at the head, in their order
         return out
 
@@ -179,14 +226,40 @@ class Scheduler:
         already in this step) as needed. False when none is left to preempt: then `seq` itself is
         preempted if it is the last admitted and not alone, so that the others can go on."""
         while self.blocks.room(seq.slot, n) < n:  # type: ignore[arg-type]
-            victim = self.running[-1]
-            if victim is seq:
-                if len(self.running) > 1:
+            victim = self._background_victim(seq, scheduled, busy)
+            if victim is None:
+                victim = self.running[-1]
+                if victim is seq:
+                    if len(self.running) > 1:
+                        self.preempt(seq)
+                    return False
+                if seq.background and not victim.background:  # batch work never preempts interactive work
                     self.preempt(seq)
-                return False
-            if any(item.seq is victim for item in scheduled) or victim.seq_id in busy:
-                return False
+                    return False
+                if any(item.seq is victim for item in scheduled) or victim.seq_id in busy:
+                    return False
             self.preempt(victim)
+        return True
+
+    def _background_victim(self, seq: Sequence | None, scheduled: list[ScheduledSeq],
+                           busy: frozenset[int] | set[int]) -> Sequence | None:
+        """The background sequence to preempt first: the last admitted, neither in this step nor in
+        one in flight; for a background `seq`, only one admitted after it."""
+        for other in reversed(self.running):
+            if other is seq:
+                if seq.background:
+                    return None
+                continue
+            if other.background and other.seq_id not in busy and not any(item.seq is other for item in scheduled):
+                return other
+        return None
+
+    def _preempt_background(self, scheduled: list[ScheduledSeq], busy: frozenset[int] | set[int]) -> bool:
+        """Preempt a background sequence for a waiting interactive one; False when none can be."""
+        victim = self._background_victim(None, scheduled, busy)
+        if victim is None:
+            return False
+        self.preempt(victim)
         return True
 
     def _chunk(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
@@ -206,7 +279,10 @@ class Scheduler:
         self.blocks.free(seq.slot)  # type: ignore[arg-type]
         seq.slot, seq.num_cached = None, 0
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        if seq.background:  # at the head of the background ones
+            self.waiting.insert(self._interactive_waiting(), seq)
+        else:
+            self.waiting.appendleft(seq)
         self.preempted.append(seq)
         self.num_preemptions += 1
 

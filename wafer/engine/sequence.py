@@ -115,6 +115,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     matcher: Any = None  # llguidance matcher when params.grammar is set
     seen: SeenTokens | None = None  # made at the first step with a repetition penalty
+    # Batch work (the Batch API's lines): scheduled only where interactive sequences leave room
+    # (scheduler.py), and preempted before them.
+    background: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,16 +22,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wafer import untrusted_json
 from wafer.agents.items import ResponseRequest
 from wafer.agents.responses import ResponsesService, sse
-from wafer.agents.store import ResponseStore
+from wafer.agents.store import ResponseStore, default_path
+from wafer.config import ServerSettings
 from wafer.router.config import ROUTER_NAMES, TIER_ALIASES, LocalModelConfig, UpstreamConfig, default_config
 from wafer.router.router import Router, UnknownModel
 from wafer.router.replicas import ReplicaSet
 from wafer.router.upstream import UpstreamUnavailable, forward
+from wafer.server.batch_routes import add_batch_routes
+from wafer.server.batch_store import BatchStore
+from wafer.server.batches import Batches
 from wafer.server.chat import ChatHandler
 from wafer.server.completions import CompletionHandler
 from wafer.server.errors import APIError, CatchAll, error_response
-from wafer.server.generation import OFF_LOOP_BYTES, ServedModel, off_loop, unless_disconnect
-from wafer.server.in_process import InProcessChat
+from wafer.server.generation import BACKGROUND, OFF_LOOP_BYTES, ServedModel, off_loop, unless_disconnect
+from wafer.server.in_process import InProcessChat, in_process_request
 from wafer.server.caller import current_caller
 from wafer.server.key_store import KeyStore
 from wafer.server.metrics import ServerMetrics, StatusCounter
@@ -46,20 +51,23 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 class BodyLimit:
-    """413 for a body over the limit, whether it declares its length or streams it in chunks."""
+    """413 for a body over the limit, whether it declares its length or streams it in chunks.
+    `paths`: larger limits by path (an uploaded file's)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_big = APIError(413, f"Request body too large (limit {self.limit} bytes).", "invalid_request_error",
+        limit = self.paths.get(scope.get("path", ""), self.limit)
+        too_big = APIError(413, f"Request body too large (limit {limit} bytes).", "invalid_request_error",
                            None, "request_too_large")
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             await error_response(too_big)(scope, receive, send)
             return
         # Read the whole body here (it is small by definition), then replay it to the app.
@@ -72,7 +80,7 @@ class BodyLimit:
                 return
             chunk = message.get("body", b"")
             seen += len(chunk)
-            if seen > self.limit:
+            if seen > limit:
                 await error_response(too_big)(scope, receive, send)
                 return
             chunks.append(chunk)
@@ -219,6 +227,7 @@ def create_app(
     prices: dict[str, dict[str, float]] | None = None,
     subagent_model: str | None = None,
     key_store: KeyStore | None = None,
+    max_file_bytes: int = ServerSettings.max_file_bytes,
 ) -> FastAPI:
     """The HTTP app over local models (each with its engine) and, through the router, upstreams.
     `protect_metrics`: /metrics and the dashboard's data need the API key too (by default they are
@@ -228,7 +237,9 @@ def create_app(
     something else than this app's own chat completions (a scripted model, in tests). `prices`: USD per
     million tokens by model name, for the agents' cost accounting. `subagent_model`: where Ultra's
     sub-agents run unless a request says (default: the root's model). `key_store`: the tenants' keys
-    (wafer keys; wafer/server/tenants.py), beside `api_keys`, which are each a tenant of their own."""
+    (wafer keys; wafer/server/tenants.py), beside `api_keys`, which are each a tenant of their own.
+    `max_file_bytes`: the largest file /v1/files takes (a batch's input); batches and their files live
+    in the `state_db` store too."""
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
@@ -257,6 +268,39 @@ def create_app(
             agents[0].on_finish.append(metrics.agent_response)
         return agents[0]
 
+    stores: list[BatchStore] = []
+
+    def batch_store() -> BatchStore:
+        if not stores:  # made on the first use of the Batch API, or at start where a store exists
+            stores.append(BatchStore(state_db))
+        return stores[0]
+
+    async def execute_line(url: str, body: dict[str, Any], owner: str | None) -> tuple[int, dict[str, Any]]:
+        """A batch line through its endpoint, as background work: its HTTP status and JSON body."""
+        body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # a batch line is whole
+        request = in_process_request(body, url, owner)
+        BACKGROUND.set(True)  # this line's task and those it starts (the Responses API's turns)
+        try:
+            if url == "/v1/responses":
+                response = await respond(body, request)
+            else:
+                response = await answer("chat" if url == "/v1/chat/completions" else "completions", body, request)
+            raw = bytes(response.body)  # (a whole answer: the line asked for no stream)
+            return response.status_code, json.loads(raw) if raw else {}
+        except APIError as e:
+            return e.status, e.body()
+        except Exception:
+            log.exception("a batch line failed")
+            return 500, APIError(500, "Internal error.", "server_error", None, "internal_error").body()
+
+    # As many lines at a time as the largest engine runs sequences: each line takes one when idle.
+    window = max(m.engine.max_running for m in served_list)
+    batches = Batches(batch_store, execute_line, window)
+
+    def existing_store() -> bool:
+        where = state_db if state_db is not None else default_path()
+        return (isinstance(where, str) and "://" in where) or Path(where).exists()
+
     async def check_replicas() -> None:
         interval = min(p.up.health_interval for p in pools.values())
         while True:
@@ -268,7 +312,15 @@ def create_app(
         monitor.start()
         checks = asyncio.get_running_loop().create_task(check_replicas()) if pools else None
         writing = asyncio.get_running_loop().create_task(tenancy.keep_writing()) if key_store else None
+        if existing_store():  # batches a server stopped before they ended run now
+            try:
+                await batches.resume()
+            except Exception:
+                log.exception("could not resume the batches of %s", state_db or default_path())
         yield
+        await batches.close()  # their running lines stop and keep no result: they run after a restart
+        for store in stores:
+            store.close()
         for task in (checks, writing):
             if task is not None:
                 task.cancel()
@@ -284,6 +336,7 @@ def create_app(
     app.state.served = served_list
     app.state.router = router
     app.state.agents = agents  # the Responses API's service, once made
+    app.state.batches = batches
     http = httpx.AsyncClient()
 
     @app.exception_handler(APIError)
@@ -419,8 +472,11 @@ def create_app(
 
     @v1.post("/responses", dependencies=limited)
     async def create_response(request: Request) -> Response:
-        req = await off_loop(len(await request.body()) > OFF_LOOP_BYTES, parse_body, ResponseRequest,
-                             await read_json(request))
+        return await respond(await read_json(request), request)
+
+    async def respond(body: Any, request: Request) -> Response:
+        """A Responses API request of a parsed body: the endpoint, and a batch's lines."""
+        req = await off_loop(len(await request.body()) > OFF_LOOP_BYTES, parse_body, ResponseRequest, body)
         service = responses_service()
         plan = await service.plan(req, request.state.tenant)
         if req.stream:
@@ -458,10 +514,12 @@ def create_app(
         return await responses_service().input_items(response_id, q.get("after"), int(limit), order,
                                                      request.state.tenant)
 
+    add_batch_routes(v1, batches, max_file_bytes, read_json)
     app.include_router(v1)
     install_openapi(app, secured=tenancy.on)
     app.add_middleware(CatchAll)
     app.add_middleware(Gate, tenancy=tenancy)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    # An upload's multipart body holds the file and a few fields: room for those beside it.
+    app.add_middleware(BodyLimit, limit=max_body_bytes, paths={"/v1/files": max(max_body_bytes, max_file_bytes + 2**16)})
     app.add_middleware(StatusCounter, metrics=metrics)
     return app

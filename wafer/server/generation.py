@@ -5,6 +5,7 @@ their outputs to usage, logprobs and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import logging
@@ -50,6 +51,11 @@ def _unavailable(e: Exception, rid: str) -> APIError:
                     "server_error", None, "stage_failure", {"Retry-After": "5"})
 _PING = object()  # put in a request's queue when ping_interval passes without an output
 TEXT_HOLE = "\x00wafer-text\x00"  # stands for a chunk's text in a pre-rendered event
+
+
+# Set in a Batch API line's task (and so in the tasks it starts): its sequences are background work,
+# which the engine schedules only where interactive requests leave room.
+BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("wafer_background", default=False)
 
 
 # A request body larger than this has its preparation (routing, template, tokenizing, grammar) done
@@ -240,10 +246,11 @@ class GenerationHandler:
         reqs: list[EngineRequest] = []
         # Several choices share one queue, each output tagged with its choice's index.
         shared = asyncio.Queue() if len(jobs) > 1 else None
+        background = BACKGROUND.get()
         try:
             for i, (ids, params) in enumerate(jobs):
                 reqs.append(self.m.engine.submit(ids, params, tag=rid, queue=shared,
-                                                 key=None if shared is None else i))
+                                                 key=None if shared is None else i, background=background))
         except EngineOverloaded as e:
             for r in reqs:
                 self.m.engine.abort(r)

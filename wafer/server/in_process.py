@@ -17,9 +17,10 @@ from wafer.errors import APIError, server_error
 Answer = Callable[[str, Any, Request], Awaitable[Response]]
 
 
-def _request(body: dict[str, Any]) -> Request:
-    """A request as the chat handler reads it: the body, then no disconnect until cancelled (the
-    agent's own request owns the connection and cancels its turns when its client goes)."""
+def in_process_request(body: dict[str, Any], path: str = "/v1/chat/completions", tenant: str | None = None) -> Request:
+    """A request as the handlers read it: the body, then no disconnect until cancelled (the agent's
+    own request, or a batch's task, owns the work and cancels it). `tenant`: request.state.tenant,
+    whose the work is."""
     raw = json.dumps(body).encode()
     sent = False
 
@@ -31,7 +32,8 @@ def _request(body: dict[str, Any]) -> Request:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b"",
+             "state": {"tenant": tenant}}
     return Request(scope, receive)
 
 
@@ -50,7 +52,7 @@ class InProcessChat:
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        response = await self.answer("chat", body, _request(body))
+        response = await self.answer("chat", body, in_process_request(body))
         iterator = getattr(response, "body_iterator", None)
         if iterator is None:  # a JSON reply to a streamed request is an error (an upstream's, say)
             raw = bytes(response.body)

@@ -191,6 +191,7 @@ class GracefulServer(EngineServer):
         self._draining = True
         for m in self.served:
             m.engine.accepting = False
+            m.engine.stop_background()  # batch lines are not drained: they run again after a restart
         log.info("shutting down: finishing running requests (up to %.0fs)", self.grace)
         asyncio.get_running_loop().create_task(self._drain())
 
@@ -382,7 +383,7 @@ def serve(args: argparse.Namespace) -> int:
     router = Router(cfg, prompt_counter(served[0]))
     app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics,
                      state_db=args.state_db, prices=cfg.prices(), subagent_model=cfg.subagent_model,
-                     key_store=key_store)
+                     key_store=key_store, max_file_bytes=args.max_file_bytes)
     # uvicorn closes idle connections after 5 s by default, before the pools of most clients do
     # (aiohttp 15 s, Go 90 s, proxies more): a request sent on one as it closed was lost with
     # "Server disconnected" (once in bench/fuzz.py's 10,000 requests; vLLM has

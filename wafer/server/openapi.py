@@ -29,8 +29,9 @@ _ERROR = {
 _WHY = {
     "400": "The request is malformed or names an invalid value (`param` says which).",
     "401": "No API key, or a wrong one.",
-    "404": "No such model.",
-    "413": "The body is larger than the server accepts.",
+    "404": "No such model (or file, or batch: another tenant's is not found either).",
+    "409": "The batch has ended and cannot be cancelled.",
+    "413": "The body (or the uploaded file) is larger than the server accepts.",
     "429": "Too many requests are waiting; retry after `Retry-After` seconds.",
     "500": "The server failed while answering.",
     "503": "The server is shutting down, or no upstream could answer; retry after `Retry-After` seconds.",
@@ -71,6 +72,9 @@ def install_openapi(app: FastAPI, secured: bool) -> None:
                         op["security"] = [{"bearer": []}]
                 if "{model_id" in path:
                     codes.append("404")
+                if path.startswith(("/v1/files", "/v1/batches")):  # the Batch API (batch_routes.py)
+                    codes += ["400", "404"] + (["413"] if path == "/v1/files" and method == "post" else []) + (
+                        ["409"] if path.endswith("/cancel") else [])
                 model = _BODIES.get(path) if method == "post" else None
                 if model is not None:
                     op["requestBody"] = {"required": True, "content": {"application/json": {

@@ -14,6 +14,9 @@ class ServerSettings:
     # client closes first and never sends a request on a connection as the server closes it.
     keep_alive: float = 120.0
     log_level: str = "info"
+    # An OTLP/HTTP collector for the requests' traces (wafer/tracing.py); None: the standard
+    # OTEL_EXPORTER_OTLP_* variables decide, and without them tracing is off.
+    otlp_endpoint: str | None = None
 
 
 # Tokens of reasoning per effort level before the answer (wafer.toml's [reasoning] overrides them);

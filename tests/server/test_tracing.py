@@ -186,3 +186,42 @@ def test_the_endpoint_comes_from_the_flag_then_the_standard_variables():
     assert tracing.endpoint_of(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318/"}) == "http://x:4318/v1/traces"
     assert tracing.endpoint_of(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318",
                                       "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://y/traces"}) == "http://y/traces"
+
+
+def test_the_spans_reach_an_otlp_http_collector_as_protobuf():
+    """The real exporter: a collector on loopback receives the span, OTLP/HTTP protobuf at /v1/traces."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    got = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):  # type: ignore[no-untyped-def]
+            body = self.rfile.read(int(self.headers["content-length"]))
+            got.append((self.path, self.headers["content-type"], ExportTraceServiceRequest.FromString(body)))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):  # type: ignore[no-untyped-def]
+            pass
+
+    http = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        t = tracing.Tracing(tracing.endpoint_of(f"http://127.0.0.1:{http.server_port}"))
+        span = t.request("chat", {"traceparent": TRACEPARENT})
+        span.set({tracing.REQUEST_MODEL: MODEL})
+        span.end()
+        t.shutdown()  # sends the batch
+    finally:
+        http.shutdown()
+    (path, kind, sent), = got
+    assert path == "/v1/traces" and kind == "application/x-protobuf"
+    s, = sent.resource_spans[0].scope_spans[0].spans
+    assert s.name == "chat" and s.trace_id.hex() == TRACE_ID and s.parent_span_id.hex() == PARENT_ID
+    assert {a.key: a.value.string_value for a in s.attributes}[tracing.REQUEST_MODEL] == MODEL
+    service = {a.key: a.value.string_value for a in sent.resource_spans[0].resource.attributes}["service.name"]
+    assert service == "wafer"

@@ -17,6 +17,7 @@ from tests.agents.scripted import ScriptedChat
 from tests.serving import MODEL, start_server
 from wafer import tracing
 from wafer.agents.responses import ResponsesService
+from wafer.agents.sandbox import check_sandbox
 from wafer.agents.store import ResponseStore
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -120,8 +121,21 @@ def test_a_responses_turn_is_a_chat_span_under_the_response(traced):
     assert {s.name for s in children(spans, turn)} == {"queue", "prefill", "decode"}
 
 
-def test_ultras_subagents_are_spans_under_the_request_with_their_turns_and_tool_calls(smollm, tmp_path):
+@pytest.fixture(scope="module")
+def scripted(smollm, tmp_path_factory):
+    """A traced server whose Responses API's model turns the test writes."""
     exporter = InMemorySpanExporter()
+    script = ScriptedChat([])
+    service = ResponsesService(script, ResponseStore(tmp_path_factory.mktemp("state") / "state.db"))
+    server = start_server(smollm, responses=service, tracer=tracing.Tracing(exporter=exporter))
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    yield client, script, exporter
+    server.stop()
+
+
+def test_ultras_subagents_are_spans_under_the_request_with_their_turns_and_tool_calls(scripted):
+    client, script, exporter = scripted
+    exporter.clear()
 
     def turn(body):  # the plan, each agent's turn (agent_2 calls a tool), the synthesis
         if body.get("response_format"):
@@ -131,18 +145,16 @@ def test_ultras_subagents_are_spans_under_the_request_with_their_turns_and_tool_
             return [("get_weather", {"city": "Oslo"})]
         return "done"
 
-    service = ResponsesService(ScriptedChat([], policy=turn), ResponseStore(tmp_path / "state.db"))
-    server = start_server(smollm, responses=service, tracer=tracing.Tracing(exporter=exporter))
+    script.policy = turn
     try:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
         weather = {"type": "function", "name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}}}
         client.responses.create(model=MODEL, input="Weather in two cities.", tools=[weather],
                                 extra_body={"multi_agent": {"enabled": True, "max_concurrent_subagents": 2}},
                                 extra_headers={"traceparent": TRACEPARENT})
-        spans = finished(exporter, "invoke_agent ")
     finally:
-        server.stop()
+        script.policy = None
+    spans = finished(exporter, "invoke_agent ")
     root = next(s for s in spans if s.kind.name == "SERVER")
     assert root.attributes["gen_ai.agent.name"] == "ultra"
     kids = children(spans, root)
@@ -157,6 +169,27 @@ def test_ultras_subagents_are_spans_under_the_request_with_their_turns_and_tool_
     assert tool.attributes["gen_ai.tool.call.id"].startswith("call_")
     assert tool.parent.span_id == children(spans, agents["agent_2"])[0].context.span_id
     assert all(s.context.trace_id == root.context.trace_id for s in spans)
+
+
+@pytest.mark.skipif(check_sandbox() is not None, reason=f"no sandbox here: {check_sandbox()}")
+def test_a_program_is_a_span_under_its_turn_with_the_calls_it_makes_under_it(scripted):
+    client, script, exporter = scripted
+    exporter.clear()
+    code = 'reply = await get_stock(sku="a")\ntext(str(reply))'
+    script.turns[:] = [[("run_program", {"code": code})]]
+    tools = [{"type": "programmatic_tool_calling"},
+             {"type": "function", "name": "get_stock", "parameters": {"type": "object", "properties": {
+                 "sku": {"type": "string"}}}, "allowed_callers": ["programmatic"]}]
+    r = client.responses.create(model=MODEL, input="Stock of a?", tools=tools)
+    assert r.output[-1].type == "function_call"  # the program waits on the client's get_stock
+    spans = finished(exporter, "invoke_agent ")
+    root = next(s for s in spans if s.kind.name == "SERVER")
+    turn, = children(spans, root)
+    program, = children(spans, turn)
+    assert program.name == "execute_tool run_program"
+    assert program.attributes["gen_ai.tool.call.id"] == r.output[0].call_id
+    call, = children(spans, program)
+    assert call.name == "execute_tool get_stock" and call.attributes["wafer.tool.caller"] == "program"
 
 
 def test_with_tracing_off_no_span_is_made(server, client, monkeypatch):

@@ -459,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle connection is kept open (longer than clients' pools, which then close "
                         "first)")
     s.add_argument("--log-level", default=ServerSettings.log_level, help="debug, info, warning or error")
+    s.add_argument("--otlp-endpoint", default=ServerSettings.otlp_endpoint, metavar="URL",
+                   help="send each request's OpenTelemetry trace to this OTLP/HTTP collector, e.g. "
+                        "http://localhost:4318 (default: off, unless $OTEL_EXPORTER_OTLP_ENDPOINT or "
+                        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set)")
     s.set_defaults(func=cmd_serve)
 
     mo = command("models", "the models wafer serves by default: list, install, verify")

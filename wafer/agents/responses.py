@@ -23,6 +23,7 @@ from wafer.agents.ptc import Parked, ProgramPool, program_code, program_tool
 from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox
 from wafer.agents.store import ResponseStore
 from wafer.agents.ultra import Ultra, resumable, settings
+from wafer import tracing
 from wafer.errors import APIError, bad_request
 
 log = logging.getLogger("wafer.agents")
@@ -256,6 +257,11 @@ class ResponsesService:
                 await program.kill()
         self._totals(plan)
         final = self.response(plan, status, error, incomplete)
+        if (span := tracing.current()) is not None:
+            span.set({tracing.INPUT_TOKENS: plan.usage["input"], tracing.OUTPUT_TOKENS: plan.usage["output"],
+                      tracing.RESPONSE_MODEL: plan.req.model, tracing.FINISH_REASONS: [incomplete or status]})
+            if error is not None:
+                span.fail(error["message"])
         for hook in self.on_finish:
             hook(final)
         if plan.req.store:
@@ -343,7 +349,25 @@ class ResponsesService:
         return body
 
     async def _model_turn(self, plan: Plan, ev: Events, calls: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-        """One chat completion, streamed as a message item and function call (or program) items."""
+        """One chat completion, streamed as a message item and function call (or program) items; traced
+        as a span of its own, the parent of its engine work, tool calls and programs."""
+        parent = tracing.current()
+        if parent is None:
+            async for event in self._untraced_turn(plan, ev, calls):
+                yield event
+            return
+        turn = parent.child(f"chat {plan.req.model}", {tracing.OPERATION: "chat", tracing.AGENT_NAME: plan.agent})
+        try:
+            with tracing.within(turn):
+                async for event in self._untraced_turn(plan, ev, calls):
+                    yield event
+        except Exception as e:
+            turn.fail(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            turn.end()
+
+    async def _untraced_turn(self, plan: Plan, ev: Events, calls: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         started = time.monotonic()
         message: dict[str, Any] | None = None
         reasoning: dict[str, Any] | None = None
@@ -449,6 +473,11 @@ class ResponsesService:
                              caller: dict[str, Any] | None) -> AsyncIterator[dict[str, Any]]:
         item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "call_id": call["call_id"],
                                 "name": call["name"], "arguments": "", "status": "in_progress"}
+        if (span := tracing.current()) is not None:  # the client runs it: the span marks the call handed over
+            now = time.monotonic()
+            span.done(f"execute_tool {call['name']}", now, now, {
+                tracing.OPERATION: "execute_tool", tracing.TOOL_NAME: call["name"], tracing.TOOL_CALL_ID: call["call_id"],
+                tracing.TOOL_TYPE: "function", "wafer.tool.caller": "program" if caller else "direct"})
         if caller is not None:
             item["caller"] = caller
         plan.output.append(item)
@@ -483,6 +512,28 @@ class ResponsesService:
 
     async def _advance(self, plan: Plan, ev: Events, program: Program, call_id: str, started: float,
                        ran: float) -> AsyncIterator[dict[str, Any]]:
+        """Run the program to its end or to its next tool calls; traced as a span of its own."""
+        parent = tracing.current()
+        if parent is None:
+            async for event in self._advance_untraced(plan, ev, program, call_id, started, ran):
+                yield event
+            return
+        span = parent.child(f"execute_tool {PROGRAM_TOOL}", {tracing.OPERATION: "execute_tool",
+                                                              tracing.TOOL_NAME: PROGRAM_TOOL,
+                                                              tracing.TOOL_CALL_ID: call_id,
+                                                              tracing.TOOL_TYPE: "extension"})
+        try:
+            with tracing.within(span):
+                async for event in self._advance_untraced(plan, ev, program, call_id, started, ran):
+                    yield event
+        except Exception as e:
+            span.fail(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            span.end()
+
+    async def _advance_untraced(self, plan: Plan, ev: Events, program: Program, call_id: str, started: float,
+                                ran: float) -> AsyncIterator[dict[str, Any]]:
         t0 = time.monotonic()
         try:
             result = await program.advance()

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from wafer import tracing
 from wafer.agents.items import new_id
 from wafer.agents.plan import Events, Plan
 from wafer.errors import APIError, bad_request
@@ -217,6 +218,11 @@ class Ultra:
         finished: dict[str, float] = {}
 
         async def work(plan: Plan) -> None:
+            # Each agent's task has a context of its own: its span is the parent of its turns alone.
+            parent = tracing.current()
+            span = None if parent is None else parent.child(f"invoke_agent {plan.agent}", {
+                tracing.OPERATION: "invoke_agent", tracing.AGENT_NAME: plan.agent, tracing.REQUEST_MODEL: plan.req.model})
+            tracing.CURRENT.set(span or parent)
             try:
                 async with asyncio.timeout(SUBAGENT_SECONDS):
                     async for event in self.service._turns(plan, Events()):
@@ -224,7 +230,12 @@ class Ultra:
             except Exception as e:  # noqa: BLE001 - one agent's failure is reported; the others go on
                 plan.failure = e if isinstance(e, APIError) else APIError(
                     500, "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
+                if span is not None:
+                    span.fail(plan.failure.message)
             finally:
+                if span is not None:
+                    span.set({tracing.INPUT_TOKENS: plan.usage["input"], tracing.OUTPUT_TOKENS: plan.usage["output"]})
+                    span.end()
                 for program in plan.running:
                     await program.kill()
                 finished[plan.agent] = time.monotonic()

@@ -16,6 +16,9 @@ class ServerSettings:
     log_level: str = "info"
     # Bytes a file uploaded to /v1/files may have (a Batch API input): OpenAI's limit, 200 MB.
     max_file_bytes: int = 200 * 1024 * 1024
+    # An OTLP/HTTP collector for the requests' traces (wafer/tracing.py); None: the standard
+    # OTEL_EXPORTER_OTLP_* variables decide, and without them tracing is off.
+    otlp_endpoint: str | None = None
 
 
 # Tokens of reasoning per effort level before the answer (wafer.toml's [reasoning] overrides them);

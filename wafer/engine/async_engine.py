@@ -127,6 +127,11 @@ class EngineRequest:
     seq_id: int | None = None
     arrived: float = field(default_factory=time.monotonic)
     background: bool = False  # batch work: runs where interactive requests leave room
+    # When its work happened (time.monotonic(), plain data that the server's traces are built from
+    # after the fact): first taken by a step, the step that gave its first token ended, it finished.
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
 
 
 class AsyncEngine:
@@ -297,10 +302,17 @@ class AsyncEngine:
         self._timed(StepTiming(time.perf_counter() - started, stats.last_batch_size,
                                stats.prompt_tokens - prompt_before, stats.last_forward_seconds,
                                stats.last_mask_seconds))
+        now = time.monotonic()
         for out in outputs:
             req = self._by_seq.get(out.seq_id)
             if req is None:
                 continue
+            if req.first_token is None and (out.new_token_ids or out.finished):
+                req.first_token = now
+                if out.queue_time is not None:
+                    req.scheduled = req.arrived + out.queue_time
+            if out.finished:
+                req.finished = now
             if out.error is not None:  # this request alone failed in the step
                 self.failures += 1
                 log.error("request %s failed in the engine: %s", req.tag, out.error)

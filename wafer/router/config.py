@@ -46,6 +46,7 @@
     low = 256                   # levels left out keep their defaults (REASONING_BUDGETS); none is always 0
     high = 2048
 
+    otlp_endpoint = "http://localhost:4318"  # the requests' traces (wafer/tracing.py)
     [agents]                    # /v1/responses (wafer/agents/)
     subagent_model = "luna"     # Ultra's sub-agents run on this model or tier (default: the root's)
 """
@@ -71,6 +72,7 @@ from wafer.config import (
     CacheSettings,
     EngineSettings,
     LoadSettings,
+    ServerSettings,
     SpeculationSettings,
 )
 from wafer.engine.speculative.config import SpeculativeConfig
@@ -166,6 +168,7 @@ class ServeConfig:
     memory_budget_gb: float | None = None
     reasoning: dict[str, int] = field(default_factory=lambda: dict(REASONING_BUDGETS))  # effort -> tokens
     subagent_model: str | None = None  # [agents]: where Ultra's sub-agents run (None: the root's model)
+    otlp_endpoint: str | None = ServerSettings.otlp_endpoint  # where the traces go (--otlp-endpoint overrides)
 
     def prices(self) -> dict[str, dict[str, float]]:
         """Prices by the model name a completion carries: a local model's name, an upstream's model."""
@@ -344,8 +347,11 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = LoadSe
     if not isinstance(agents, dict) or set(agents) - {"subagent_model"} or \
             not isinstance(agents.get("subagent_model", ""), str):
         raise ConfigError("[agents] takes subagent_model = \"NAME\" (a model or tier) and nothing else")
+    otlp = raw.get("otlp_endpoint", ServerSettings.otlp_endpoint)
+    if otlp is not None and not isinstance(otlp, str):
+        raise ConfigError("otlp_endpoint is a URL, e.g. otlp_endpoint = \"http://localhost:4318\"")
     cfg = ServeConfig(models, upstreams, tiers, dict(raw.get("aliases") or {}), routing, raw.get("memory_budget_gb"),
-                      _reasoning(raw.get("reasoning", {})), agents.get("subagent_model"))
+                      _reasoning(raw.get("reasoning", {})), agents.get("subagent_model"), otlp)
     cfg.check()
     return cfg
 

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wafer import untrusted_json
+from wafer import tracing, untrusted_json
 from wafer.agents.items import ResponseRequest
 from wafer.agents.responses import ResponsesService, sse
 from wafer.agents.store import ResponseStore, default_path
@@ -104,6 +104,39 @@ def _replay(chunks: list[bytes], final: Message | None, receive: Receive | None 
         return await receive()
 
     return replayed
+
+
+class Traced:
+    """A span for each request to a generating route (wafer/tracing.py), current while the request is
+    handled and ended once its response is sent (a stream's, after its last event)."""
+
+    def __init__(self, app: ASGIApp, tracer: tracing.Tracing) -> None:
+        self.app = app
+        self.tracer = tracer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        operation = tracing.OPERATIONS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if operation is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        span = self.tracer.request(operation, headers)
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            with tracing.within(span):
+                await self.app(scope, receive, sending)
+        finally:
+            span.set({"http.response.status_code": status})
+            if status >= 400:
+                span.fail(f"HTTP {status}")
+            span.end()
 
 
 def _parse_json(raw: bytes) -> Any:
@@ -228,6 +261,7 @@ def create_app(
     subagent_model: str | None = None,
     key_store: KeyStore | None = None,
     max_file_bytes: int = ServerSettings.max_file_bytes,
+    tracer: tracing.Tracing | None = None,
 ) -> FastAPI:
     """The HTTP app over local models (each with its engine) and, through the router, upstreams.
     `protect_metrics`: /metrics and the dashboard's data need the API key too (by default they are
@@ -239,7 +273,8 @@ def create_app(
     sub-agents run unless a request says (default: the root's model). `key_store`: the tenants' keys
     (wafer keys; wafer/server/tenants.py), beside `api_keys`, which are each a tenant of their own.
     `max_file_bytes`: the largest file /v1/files takes (a batch's input); batches and their files live
-    in the `state_db` store too."""
+    in the `state_db` store too.
+    `tracer`: where the requests' spans go (wafer/tracing.py); None, the default, traces nothing."""
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
@@ -329,8 +364,13 @@ def create_app(
         await monitor.stop()
         for service in agents:  # parked programs die with the server
             await service.close()
+        if tracer is not None:
+            tracer.shutdown()  # the spans not yet sent
 
-    app = FastAPI(title="wafer", docs_url=None, redoc_url=None, lifespan=lifespan)
+    # FastAPI's own telemetry off: wafer's spans are the requests' (wafer/tracing.py), and FastAPI's
+    # would make a second span per request wherever a global tracer provider is set.
+    app = FastAPI(title="wafer", docs_url=None, redoc_url=None, lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "auto_configure": False})
     static = files("wafer.server") / "static"
     app.state.tenancy = tenancy
     app.state.served = served_list
@@ -378,6 +418,14 @@ def create_app(
             raise unknown_model(req.model, router) from None
         if not tenancy.allows(req.model, router.config.aliases):
             raise not_allowed(req.model)
+        span = tracing.current()
+        if span is not None:
+            operation = "chat" if kind == "chat" else "text_completion"
+            span.span.update_name(f"{operation} {req.model}")
+            span.set({tracing.OPERATION: operation, tracing.REQUEST_MODEL: req.model,
+                      tracing.MAX_TOKENS: req.output_limit, tracing.TEMPERATURE: req.temperature,
+                      tracing.TOP_P: req.top_p, tracing.CHOICES: req.n if req.n > 1 else None,
+                      "wafer.route": decision.rule, "wafer.tier": decision.tier})
         metrics.routes.labels(decision.rule, decision.tier or "-").inc()
         headers = {"x-wafer-route": decision.rule, "x-wafer-tier": decision.tier or ""}
         failures = []
@@ -390,6 +438,8 @@ def create_app(
                 else:
                     response = await completion_handler.completions(req, request)
                 response.headers.update({**headers, "x-wafer-model": target})
+                if span is not None:
+                    span.set({tracing.RESPONSE_MODEL: target})
                 return response
             up = upstreams[target]
             path = "/chat/completions" if kind == "chat" else "/completions"
@@ -405,6 +455,8 @@ def create_app(
                 failures.append(str(e))
                 continue
             headers["x-wafer-model"] = up.model
+            if span is not None:
+                span.set({tracing.RESPONSE_MODEL: up.model, "wafer.upstream": target})
             usage = reply.json.get("usage") if reply.stream is None and isinstance(reply.json, dict) else None
             if isinstance(usage, dict):  # an upstream's tokens are its tenant's too (a stream's are not counted)
                 metrics.tenant_usage(current_caller(), target, int(usage.get("prompt_tokens") or 0),
@@ -479,6 +531,11 @@ def create_app(
         req = await off_loop(len(await request.body()) > OFF_LOOP_BYTES, parse_body, ResponseRequest, body)
         service = responses_service()
         plan = await service.plan(req, request.state.tenant)
+        if (span := tracing.current()) is not None:
+            span.span.update_name(f"invoke_agent {plan.req.model}")
+            span.set({tracing.REQUEST_MODEL: plan.req.model, tracing.RESPONSE_ID: plan.rid,
+                      tracing.MAX_TOKENS: req.max_output_tokens, tracing.TEMPERATURE: req.temperature,
+                      tracing.TOP_P: req.top_p, tracing.AGENT_NAME: "ultra" if plan.ultra else "wafer"})
         if req.stream:
             return EventStreamResponse(sse(e) async for e in service.run(plan))
         final: dict[str, Any] = {}
@@ -522,4 +579,6 @@ def create_app(
     # An upload's multipart body holds the file and a few fields: room for those beside it.
     app.add_middleware(BodyLimit, limit=max_body_bytes, paths={"/v1/files": max(max_body_bytes, max_file_bytes + 2**16)})
     app.add_middleware(StatusCounter, metrics=metrics)
+    if tracer is not None:  # outermost: the span times the whole request, refusals included
+        app.add_middleware(Traced, tracer=tracer)
     return app

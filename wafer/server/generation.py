@@ -31,6 +31,7 @@ from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
 from wafer.models.chat_template import ChatTemplate
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.tokenizer import TextTokenizer
+from wafer import tracing
 from wafer.config import REASONING_BUDGETS
 from wafer.server.caller import current_caller
 from wafer.server.errors import APIError, bad_request, server_error
@@ -275,6 +276,7 @@ class GenerationHandler:
         consumer in the loop turn that follows it, however many choices there are."""
         engine = self.m.engine
         timer = self._timer() if phase is None else phase.timer
+        span = tracing.current()
         last: dict[int, SequenceOutput] = {}
         q, single = streams[0].queue, len(streams) == 1
         loop = asyncio.get_running_loop()
@@ -322,6 +324,22 @@ class GenerationHandler:
                 ticker.cancel()
             for r in streams:
                 engine.abort(r)  # a no-op for finished ones
+            if span is not None:
+                self._trace(span, streams, n_prompt, last, phase)
+
+    @staticmethod
+    def _trace(span: tracing.Span, streams: list[EngineRequest], n_prompt: int, last: dict[int, SequenceOutput],
+               phase: Phase | None) -> None:
+        """The request's usage and finish reasons on its span, and the engine's work under it."""
+        tracing.engine_spans(span, streams, time.monotonic())
+        if phase is None or phase.last:
+            # a choice cut short (the client went, a failure) is said to have been aborted
+            reasons = [(_finish(last[i].finish_reason) if i in last and last[i].finished else None) or "abort"
+                       for i in range(len(streams))]
+            span.set({tracing.INPUT_TOKENS: n_prompt, tracing.FINISH_REASONS: reasons,
+                      tracing.OUTPUT_TOKENS: sum(o.num_output_tokens for o in last.values())
+                      + (phase.earlier_tokens if phase else 0),
+                      "wafer.cached_tokens": max((o.num_cached_tokens for o in last.values()), default=0)})
 
     def _aborter(self, streams: list[EngineRequest]) -> Callable[[], None]:
         """Abort every choice of a request (those finished already are left alone)."""

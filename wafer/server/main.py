@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-from wafer import __version__
+from wafer import __version__, tracing
 from wafer.config import CacheSettings, EngineSettings
 from wafer.engine.async_engine import AsyncEngine, run_engines
 from wafer.engine.config import EngineConfig
@@ -381,9 +381,11 @@ def serve(args: argparse.Namespace) -> int:
     key_store = keys_in(args.state_db)  # tenants' keys (wafer keys), when the state database holds any
     served = load_models(cfg)
     router = Router(cfg, prompt_counter(served[0]))
+    otlp = tracing.endpoint_of(args.otlp_endpoint or cfg.otlp_endpoint)  # the flag, wafer.toml's, $OTEL_*
+    tracer = tracing.Tracing(otlp) if otlp is not None else None  # off: the SDK is not even imported
     app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics,
                      state_db=args.state_db, prices=cfg.prices(), subagent_model=cfg.subagent_model,
-                     key_store=key_store, max_file_bytes=args.max_file_bytes)
+                     key_store=key_store, max_file_bytes=args.max_file_bytes, tracer=tracer)
     # uvicorn closes idle connections after 5 s by default, before the pools of most clients do
     # (aiohttp 15 s, Go 90 s, proxies more): a request sent on one as it closed was lost with
     # "Server disconnected" (once in bench/fuzz.py's 10,000 requests; vLLM has
@@ -417,6 +419,8 @@ def serve(args: argparse.Namespace) -> int:
         if m.compute["warning"]:
             print(f"  WARNING {m.names[0]}: {m.compute['warning']}", file=sys.stderr, flush=True)
     print(f"  {programs_line()}", file=sys.stderr, flush=True)
+    if otlp is not None:
+        print(f"  traces: OpenTelemetry spans to {otlp}", file=sys.stderr, flush=True)
     try:
         server.run()  # on this thread, which loaded the models and so owns their compute threads
     finally:

@@ -239,3 +239,34 @@ def test_tool_schema_with_refs_into_defs(client):
                                        max_tokens=120, temperature=0)
     (call,) = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), order if call.function.name == "place_order" else other)
+
+
+def _strict_json(text: str):
+    """JSON as a strict parser reads it: `NaN`, `Infinity` and `-Infinity` are not JSON."""
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_under_a_grammar_are_strict_json(server, stream):
+    """The tokens a grammar masks out have logprob minus infinity; where they show among
+    top_logprobs, they are reported as -9999.0 (as vLLM does), so that the reply, whole or streamed,
+    is JSON that strict parsers read."""
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a cat as JSON."}],
+            "response_format": {"type": "json_object"}, "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 5, "stream": stream}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [_strict_json(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        content = [c for e in events for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
+    else:
+        content = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    tops = [t["logprob"] for c in content for t in c["top_logprobs"]]
+    assert content and -9999.0 in tops  # a grammar step with fewer than 5 allowed tokens was reported
+    assert all(-9999.0 <= v <= 0 for v in tops + [c["logprob"] for c in content])

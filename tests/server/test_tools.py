@@ -270,3 +270,24 @@ def test_logprobs_under_a_grammar_are_strict_json(server, stream):
     tops = [t["logprob"] for c in content for t in c["top_logprobs"]]
     assert content and -9999.0 in tops  # a grammar step with fewer than 5 allowed tokens was reported
     assert all(-9999.0 <= v <= 0 for v in tops + [c["logprob"] for c in content])
+
+
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+BARE_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("where", ["tools", "response_format"])
+@pytest.mark.parametrize("schema", [RECURSIVE, BARE_CYCLE], ids=["recursive required $ref", "bare $ref cycle"])
+def test_a_schema_no_reply_could_complete_is_refused_up_front(client, where, schema):
+    """Its grammar could never be completed, and its masks held every step for a second or more."""
+    import openai
+
+    if where == "tools":
+        kw = dict(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}], tool_choice="required")
+        param = "tools[0].function.parameters"
+    else:
+        kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        param = "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go."}], max_tokens=20, **kw)
+    assert e.value.body["param"] == param and "admits no finite value" in e.value.body["message"]

@@ -291,3 +291,45 @@ def test_a_schema_no_reply_could_complete_is_refused_up_front(client, where, sch
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go."}], max_tokens=20, **kw)
     assert e.value.body["param"] == param and "admits no finite value" in e.value.body["message"]
+
+
+# Recursive where no up-front check sees it (at least one key, and the one key allowed holds the
+# object again): llguidance's limits on a step's work stop its matcher at run time.
+ENDLESS_AT_RUN_TIME = {"type": "object", "patternProperties": {"^a$": {"$ref": "#"}}, "minProperties": 1,
+                       "additionalProperties": False}
+
+
+def test_a_schema_too_costly_to_follow_ends_alone_with_a_400_its_neighbours_unaffected(server, aclient):
+    """Whole, a 400 with code grammar_too_costly; streamed, the same error as the stream's last event
+    (the 200 was sent); four neighbour streams beside them each run to their end."""
+    import httpx
+    import openai
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a cat as JSON."}], "max_tokens": 60,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS_AT_RUN_TIME}}}
+
+    async def neighbour():
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=24, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        return [chunk.choices[0].finish_reason async for chunk in stream if chunk.choices][-1]
+
+    async def costly():
+        with pytest.raises(openai.BadRequestError) as e:
+            await aclient.chat.completions.create(**body)
+        assert e.value.body["code"] == "grammar_too_costly" and "llguidance stopped it" in e.value.body["message"]
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert r.status_code == 200 and events[-1]["error"]["code"] == "grammar_too_costly", r.text
+
+    async def both():
+        return await asyncio.gather(costly(), *(neighbour() for _ in range(4)))
+
+    _, *finishes = asyncio.run(both())
+    assert finishes == ["length"] * 4
+    # Each step's grammar time is on /metrics, for the fuzz bench's "no step over 100 ms" to read.
+    metrics = httpx.get(server.base_url + "/metrics").text
+    counts = [float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("wafer:grammar_mask_seconds_count{")]
+    assert counts and sum(counts) > 0

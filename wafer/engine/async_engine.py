@@ -29,7 +29,7 @@ from typing import Any
 
 from wafer.config import EngineSettings
 from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads, binding_wanted
-from wafer.engine.constraints import GrammarMatcher
+from wafer.engine.constraints import GrammarMatcher, GrammarTooCostly
 from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.engine.stats import EngineSnapshot
@@ -284,6 +284,8 @@ class AsyncEngine:
                 log.error("request %s failed in the engine: %s", req.tag, out.error)
                 if out.error.startswith("StageFailure"):
                     self._deliver(req, EngineUnavailable(out.error.partition(": ")[2]))
+                elif out.error.startswith(GrammarTooCostly.__name__):  # the request's own: its client hears why
+                    self._deliver(req, GrammarTooCostly(out.error.partition(": ")[2]))
                 else:
                     self._deliver(req, EngineFailure(f"internal engine error ({out.error.partition(':')[0]})"))
             else:

@@ -52,3 +52,11 @@ def test_a_schema_with_no_finite_value_is_found(name):
 @pytest.mark.parametrize("name", FINITE)
 def test_a_schema_that_can_stop_passes(name):
     assert unbounded_part(FINITE[name]) is None
+
+
+def test_keywords_of_the_wrong_type_are_no_error():
+    """The meta-schema check runs first, but what this reads of a keyword it checks itself."""
+    odd = {"type": [{}, "object"], "required": 10, "properties": [], "minItems": "x", "items": 3, "anyOf": {},
+           "$ref": 5, "allOf": [None], "prefixItems": {"a": 1}}
+    assert unbounded_part(odd) is None
+    assert unbounded_part({"type": "array", "minItems": 3, "items": [{"$ref": "#"}], "$ref": "#/x~"}) == "#"

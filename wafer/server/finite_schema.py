@@ -111,8 +111,8 @@ def _grounded(node: Any, root: dict[str, Any], grounded: set[int]) -> bool:
     if isinstance(node, bool):
         return node
 
-    def ok(s: Any) -> bool:
-        return s is True or (isinstance(s, dict) and id(s) in grounded)
+    def ok(s: Any) -> bool:  # what is no schema at all is not this check's to refuse
+        return not isinstance(s, (dict, bool)) or s is True or (isinstance(s, dict) and id(s) in grounded)
 
     if "$ref" in node:
         target = _resolve(root, node["$ref"])
@@ -127,7 +127,7 @@ def _grounded(node: Any, root: dict[str, Any], grounded: set[int]) -> bool:
         return True
     types = node.get("type")
     types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
-    if types is None or any(t in _SCALARS for t in types):
+    if types is None or any(isinstance(t, str) and t in _SCALARS for t in types):
         return True
     return ("object" in types and _object_grounded(node, ok)) or ("array" in types and _array_grounded(node, ok))
 
@@ -135,7 +135,8 @@ def _grounded(node: Any, root: dict[str, Any], grounded: set[int]) -> bool:
 def _object_grounded(node: dict[str, Any], ok: Any) -> bool:
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     extra = node.get("additionalProperties", True)
-    for key in node.get("required") or []:
+    required = node.get("required")
+    for key in required if isinstance(required, list) else []:
         if not isinstance(key, str):
             continue
         schema = props[key] if key in props else extra if isinstance(extra, dict) else True

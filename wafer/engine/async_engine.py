@@ -73,6 +73,7 @@ class StepTiming:
     # stages: since the step was sent, which may be before this call began).
     forward_seconds: float = 0.0
     mask_seconds: float = 0.0  # of picking the tokens, the grammars' masks (llguidance)
+    mask_cpu_seconds: float = 0.0  # their CPU time, which the machine's other load does not inflate
 
     @property
     def kind(self) -> str:
@@ -274,7 +275,7 @@ class AsyncEngine:
         stats = self.engine.stats
         self._timed(StepTiming(time.perf_counter() - started, stats.last_batch_size,
                                stats.prompt_tokens - prompt_before, stats.last_forward_seconds,
-                               stats.last_mask_seconds))
+                               stats.last_mask_seconds, stats.last_mask_cpu_seconds))
         for out in outputs:
             req = self._by_seq.get(out.seq_id)
             if req is None:

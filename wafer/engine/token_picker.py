@@ -42,7 +42,7 @@ class TokenPicker:
              outputs: list[SequenceOutput]) -> None:
         """A token for each of `plain` from its row of `rows`, and 1 to len(draft)+1 for each item
         of `verifying` from its rows; their outputs join `outputs`."""
-        self.stats.last_mask_seconds = 0.0
+        self.stats.last_mask_seconds = self.stats.last_mask_cpu_seconds = 0.0
         if plain:
             self._mask(rows, plain, outputs)
             for seq, token, lp in self._sample(rows, plain, outputs):
@@ -63,7 +63,9 @@ class TokenPicker:
                 tokens_left = seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt)
                 cpu = time.thread_time()
                 self._guard(seq, failed, partial(mask_logits, rows[i], seq.matcher, tokens_left))
-                self._guard(seq, failed, partial(self._charge, seq, time.thread_time() - cpu))
+                spent = time.thread_time() - cpu
+                self.stats.last_mask_cpu_seconds += spent
+                self._guard(seq, failed, partial(self._charge, seq, spent))
             self.stats.last_mask_seconds = time.perf_counter() - masking
 
     def _charge(self, seq: Sequence, seconds: float) -> None:

@@ -429,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-step-ms", type=_non_negative, default=EngineSettings.prefill_step_ms, metavar="MS",
                    help="how long a step's prompt work may take while other streams wait for their next token "
                         "(learned per token; 0: only --max-batched-tokens bounds it)")
+    s.add_argument("--grammar-ms-per-token", type=_non_negative, default=EngineSettings.grammar_ms_per_token,
+                   metavar="MS", help="grammar work (masks, closing the JSON in time) a request with tools or a "
+                   "response_format may take per token it generates, counting at least 50 (0: no limit); past "
+                   "it the request ends alone with a 400, grammar_too_costly")
     s.add_argument("--kv-cache-dtype", default=CacheSettings.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="how keys and values are stored: int8 and fp8 (e4m3; CUDA, and the CPU's f32 and int8 "
                         "paths) have a scale per position and head (a quarter of f32's bytes); auto: bf16 on the "

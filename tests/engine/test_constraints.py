@@ -144,3 +144,68 @@ def test_a_steps_grammar_masks_are_timed_apart(smollm):
     assert masked and all(0 < s < engine.stats.last_forward_seconds + 10 for s in masked)
     engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
     assert engine.stats.last_mask_seconds == 0.0
+
+
+def test_a_search_that_finds_nothing_waits_1_2_4_8_tokens_before_the_next(smollm):
+    """A grammar whose completion cannot be found costs one search now and then, not one a token."""
+    constraints = Constraints(smollm.tokenizer)
+    matcher = constraints.matcher(LLMatcher.grammar_from_lark('start: /[a-z]+/ "."'))
+    searched = []
+    matcher._complete = lambda: searched.append(step) or None  # type: ignore[method-assign]  # finds nothing
+    letter = constraints.llt.tokenize_str("a")[0]
+    for step in range(16):
+        constraints.new_step()
+        assert matcher.completion(tokens_left=500) is None
+        assert matcher.consume_token(letter)  # text outside JSON: each token makes the completion stale
+    assert searched == [0, 1, 3, 7, 15]
+
+
+def test_a_search_ends_when_its_time_is_spent(smollm, monkeypatch):
+    """The search's CPU time is bounded besides its fuel: a grammar whose every step is slow
+    (forced bytes that nest without end) cannot hold the engine's step for long."""
+    import wafer.engine.constraints as constraints_module
+
+    assert Constraints(smollm.tokenizer).matcher(_grammar()).completion(tokens_left=500)
+    monkeypatch.setattr(constraints_module, "_SEARCH_SECONDS", -1.0)  # spent before it starts
+    assert Constraints(smollm.tokenizer).matcher(_grammar()).completion(tokens_left=500) is None
+
+
+def _engine_with_neighbour(smollm, schema, **config):
+    """A constrained sequence (its schema's grammar) beside a plain one, stepped to the end: the
+    outputs each produced."""
+    from wafer.engine.config import EngineConfig
+    from wafer.engine.engine import LLMEngine
+    from wafer.engine.sequence import SamplingParams
+
+    engine = LLMEngine(smollm, EngineConfig(max_running=2, max_model_len=512, **config))
+    prompt = smollm.tokenizer.encode("A JSON object:", add_special_tokens=False)
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    constrained = engine.add(prompt, SamplingParams(max_tokens=40, temperature=0, grammar=grammar))
+    plain = engine.add(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    outputs: dict[int, list] = {constrained.seq_id: [], plain.seq_id: []}
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.seq_id].append(out)
+    return outputs[constrained.seq_id], outputs[plain.seq_id]
+
+
+def test_a_grammar_llguidance_stops_at_its_limits_ends_its_sequence_alone_with_an_error(smollm):
+    """A schema no up-front check sees as endless (a recursive key it takes at least one of): once
+    llguidance's limits on a step's work stop the matcher, the sequence fails with GrammarTooCostly
+    rather than end as if its JSON were complete; its neighbour goes on to its end."""
+    endless = {"type": "object", "patternProperties": {"^a$": {"$ref": "#"}}, "minProperties": 1,
+               "additionalProperties": False,  # compact, as the server asks for JSON
+               "x-guidance": {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}}
+    constrained, plain = _engine_with_neighbour(smollm, endless)
+    assert constrained[-1].finish_reason == "error" and constrained[-1].error.startswith("GrammarTooCostly")
+    assert "llguidance stopped it" in constrained[-1].error
+    assert plain[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in plain) == 12
+
+
+def test_a_request_past_its_grammar_budget_ends_alone_with_an_error(smollm):
+    """Whatever made its grammar work slow, a request past grammar_seconds_per_token for each of its
+    tokens ends there, alone (the default budget serves the grammars of the tests above)."""
+    constrained, plain = _engine_with_neighbour(smollm, SCHEMA, grammar_seconds_per_token=1e-9)
+    assert constrained[-1].finish_reason == "error" and constrained[-1].error.startswith("GrammarTooCostly")
+    assert "grammar_ms_per_token" in constrained[-1].error
+    assert plain[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in plain) == 12

@@ -149,6 +149,18 @@ def test_logprobs_top_alternatives():
     assert [t for t, _ in lps[0].top] == [1, 2]
 
 
+def test_logprobs_of_masked_tokens_are_finite():
+    """Tokens a grammar masks out have logprob -inf, which JSON cannot carry: each reported logprob,
+    the chosen token's and its alternatives', is at least -9999.0 (as vLLM and OpenAI report them)."""
+    from wafer.engine.sampler import LOGPROB_FLOOR
+
+    logits = torch.tensor([[0.0, float("-inf"), float("-inf"), 1.0]])
+    _, lps = Sampler(0)(logits, [seq(SamplingParams(temperature=0, logprobs=3))])
+    values = [lps[0].logprob, *(v for _, v in lps[0].top)]
+    assert all(math.isfinite(v) for v in values), values
+    assert lps[0].top[-1][1] == LOGPROB_FLOOR == -9999.0
+
+
 def test_best_is_torch_max_index():
     """The greedy pick, wafer's kernel where it is built, against torch.max: first of tied maxima, a
     NaN's index, all -inf rows, lengths around the 16-lane width, 1-D rows and row views."""

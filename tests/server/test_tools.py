@@ -239,3 +239,97 @@ def test_tool_schema_with_refs_into_defs(client):
                                        max_tokens=120, temperature=0)
     (call,) = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), order if call.function.name == "place_order" else other)
+
+
+def _strict_json(text: str):
+    """JSON as a strict parser reads it: `NaN`, `Infinity` and `-Infinity` are not JSON."""
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_under_a_grammar_are_strict_json(server, stream):
+    """The tokens a grammar masks out have logprob minus infinity; where they show among
+    top_logprobs, they are reported as -9999.0 (as vLLM does), so that the reply, whole or streamed,
+    is JSON that strict parsers read."""
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a cat as JSON."}],
+            "response_format": {"type": "json_object"}, "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 5, "stream": stream}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [_strict_json(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        content = [c for e in events for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
+    else:
+        content = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    tops = [t["logprob"] for c in content for t in c["top_logprobs"]]
+    assert content and -9999.0 in tops  # a grammar step with fewer than 5 allowed tokens was reported
+    assert all(-9999.0 <= v <= 0 for v in tops + [c["logprob"] for c in content])
+
+
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+BARE_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("where", ["tools", "response_format"])
+@pytest.mark.parametrize("schema", [RECURSIVE, BARE_CYCLE], ids=["recursive required $ref", "bare $ref cycle"])
+def test_a_schema_no_reply_could_complete_is_refused_up_front(client, where, schema):
+    """Its grammar could never be completed, and its masks held every step for a second or more."""
+    import openai
+
+    if where == "tools":
+        kw = dict(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}], tool_choice="required")
+        param = "tools[0].function.parameters"
+    else:
+        kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        param = "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go."}], max_tokens=20, **kw)
+    assert e.value.body["param"] == param and "admits no finite value" in e.value.body["message"]
+
+
+# Recursive where no up-front check sees it (at least one key, and the one key allowed holds the
+# object again): llguidance's limits on a step's work stop its matcher at run time.
+ENDLESS_AT_RUN_TIME = {"type": "object", "patternProperties": {"^a$": {"$ref": "#"}}, "minProperties": 1,
+                       "additionalProperties": False}
+
+
+def test_a_schema_too_costly_to_follow_ends_alone_with_a_400_its_neighbours_unaffected(server, aclient):
+    """Whole, a 400 with code grammar_too_costly; streamed, the same error as the stream's last event
+    (the 200 was sent); four neighbour streams beside them each run to their end."""
+    import httpx
+    import openai
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a cat as JSON."}], "max_tokens": 60,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS_AT_RUN_TIME}}}
+
+    async def neighbour():
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=24, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        return [chunk.choices[0].finish_reason async for chunk in stream if chunk.choices][-1]
+
+    async def costly():
+        with pytest.raises(openai.BadRequestError) as e:
+            await aclient.chat.completions.create(**body)
+        assert e.value.body["code"] == "grammar_too_costly" and "llguidance stopped it" in e.value.body["message"]
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert r.status_code == 200 and events[-1]["error"]["code"] == "grammar_too_costly", r.text
+
+    async def both():
+        return await asyncio.gather(costly(), *(neighbour() for _ in range(4)))
+
+    _, *finishes = asyncio.run(both())
+    assert finishes == ["length"] * 4
+    # Each step's grammar time is on /metrics, for the fuzz bench's "no step over 100 ms" to read.
+    metrics = httpx.get(server.base_url + "/metrics").text
+    for name in ("wafer:grammar_mask_seconds", "wafer:grammar_mask_cpu_seconds"):
+        counts = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + "_count{")]
+        assert counts and sum(counts) > 0, name

@@ -18,4 +18,9 @@ class EngineSettings:
     # streams wait that long for their next token while a long prompt is read in, and the loop that
     # steps the engine, and answers every other request, is held that long.
     prefill_step_ms: int = 50
+    # Milliseconds of grammar work (llguidance's masks and the search for a way to close the JSON
+    # within max_tokens; CPU time) a request with tools or a response_format may take per token it
+    # generates, counting at least 50 tokens (0: no limit). Each of them holds every stream's step;
+    # past it the request ends alone with a 400 (code grammar_too_costly), its neighbours unaffected.
+    grammar_ms_per_token: int = 20
     pipeline_parallel: int = 1  # stage processes the model's layers run in; 1 is this process alone

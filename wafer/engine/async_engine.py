@@ -29,7 +29,7 @@ from typing import Any
 
 from wafer.config import EngineSettings
 from wafer.engine.compute_threads import SIDE_WORK, ComputeThreads, binding_wanted
-from wafer.engine.constraints import GrammarMatcher
+from wafer.engine.constraints import GrammarMatcher, GrammarTooCostly
 from wafer.engine.engine import LLMEngine
 from wafer.engine.sequence import SamplingParams, SequenceOutput
 from wafer.engine.stats import EngineSnapshot
@@ -73,6 +73,7 @@ class StepTiming:
     # stages: since the step was sent, which may be before this call began).
     forward_seconds: float = 0.0
     mask_seconds: float = 0.0  # of picking the tokens, the grammars' masks (llguidance)
+    mask_cpu_seconds: float = 0.0  # their CPU time, which the machine's other load does not inflate
 
     @property
     def kind(self) -> str:
@@ -301,7 +302,7 @@ class AsyncEngine:
         stats = self.engine.stats
         self._timed(StepTiming(time.perf_counter() - started, stats.last_batch_size,
                                stats.prompt_tokens - prompt_before, stats.last_forward_seconds,
-                               stats.last_mask_seconds))
+                               stats.last_mask_seconds, stats.last_mask_cpu_seconds))
         now = time.monotonic()
         for out in outputs:
             req = self._by_seq.get(out.seq_id)
@@ -318,6 +319,8 @@ class AsyncEngine:
                 log.error("request %s failed in the engine: %s", req.tag, out.error)
                 if out.error.startswith("StageFailure"):
                     self._deliver(req, EngineUnavailable(out.error.partition(": ")[2]))
+                elif out.error.startswith(GrammarTooCostly.__name__):  # the request's own: its client hears why
+                    self._deliver(req, GrammarTooCostly(out.error.partition(": ")[2]))
                 else:
                     self._deliver(req, EngineFailure(f"internal engine error ({out.error.partition(':')[0]})"))
             else:

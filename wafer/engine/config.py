@@ -21,6 +21,9 @@ class EngineConfig:
     # Seconds of prompt work a step may take (None: no limit). The server sets it so that one
     # request's long prompt delays the others' tokens, and its own loop, by a bounded time.
     prefill_step_seconds: float | None = None
+    # CPU seconds of grammar work (masks and completion searches) a constrained request may take per
+    # token it generates (None: no limit); past it the request ends alone with GrammarTooCostly.
+    grammar_seconds_per_token: float | None = EngineSettings.grammar_ms_per_token / 1000
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Stages the model's layers run in (the pipeline package): 1 is this process alone.

@@ -11,6 +11,7 @@ the same string value, more digits of the same number), then to the completion i
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,12 +41,26 @@ _SEARCH_FUEL = 2_000
 # search, or one with less slack, runs whatever the step has spent (max_tokens equal to the shortest
 # call leaves none).
 _STEP_FUEL = 2_000
+# And the CPU seconds one search may take (of the thread that steps the engine: the machine's other
+# load does not count). Most steps of a search are one llguidance call of microseconds, but where a
+# grammar's forced bytes nest without end (`{"a":{"a":...`) each takes 10 to 25 ms, and a search of a
+# few hundred of them held every stream's step for 0.3 to 1 s. A search's time counts against the
+# step's fuel as the fuel it could have spent in it.
+_SEARCH_SECONDS = 0.025
+# A search that found nothing is not run again at the next token but after 1, 2, 4, ... tokens, at
+# most this many: a grammar it cannot finish costs one search now and then, not one a token.
+_RETRY_TOKENS = 64
 _LOOKAHEAD = 4  # characters tried where the grammar allows several and none is forced
 _PRINTABLE = [chr(c) for c in range(0x30, 0x7F)] + [chr(c) for c in range(0x20, 0x30)]
 
 
 class GrammarError(ValueError):
     """The grammar (or the JSON Schema it came from) cannot be compiled."""
+
+
+class GrammarTooCostly(Exception):
+    """A request's grammar cost more than the engine gives it: llguidance's limits on one step's work
+    stopped its matcher, or its masks took more than its time budget. It ends that request alone."""
 
 
 class Constraints:
@@ -232,6 +247,10 @@ class GrammarMatcher:
         self._stale = True
         self._fuel = _SEARCH_FUEL
         self._waited = False  # its search was put off to this step: it goes now, whatever is left
+        self._failed = 0  # searches in a row that found nothing
+        self._since_failed = 0  # tokens consumed since the last of them
+        self._deadline = (0.0, 0.0)  # of the search under way: (perf_counter, thread_time)
+        self.seconds = 0.0  # CPU seconds its masks and searches have taken in engine steps (TokenPicker's count)
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.inner, name)
@@ -254,6 +273,7 @@ class GrammarMatcher:
         ok = self.inner.consume_token(token)
         if self.scan.feed(self.constraints.token_bytes(token)):
             self._stale = True
+        self._since_failed += 1
         return ok
 
     def completion(self, tokens_left: int | None = None) -> list[int] | None:
@@ -262,6 +282,8 @@ class GrammarMatcher:
         tokens left, against the last completion, allow a wait: then the next step's search is this
         one's first)."""
         if self._stale:
+            if self._failed and self._since_failed < min(2 ** (self._failed - 1), _RETRY_TOKENS):
+                return None  # the last search found nothing, a moment ago
             # An empty last completion (the grammar could end there, as a lazy tool grammar before
             # its call opens) tells nothing of the one after the next token.
             may_wait = (tokens_left is not None and bool(self._completion)
@@ -270,12 +292,17 @@ class GrammarMatcher:
                 self._waited = True
                 return None
             self._waited = False
+            started = time.thread_time()
             self._completion, self._stale = self._complete(), False
-            self.constraints.step_fuel -= _SEARCH_FUEL - self._fuel
+            spent = (time.thread_time() - started) / _SEARCH_SECONDS * _SEARCH_FUEL
+            self.constraints.step_fuel -= max(_SEARCH_FUEL - self._fuel, int(spent))
+            self._failed = self._failed + 1 if self._completion is None else 0
+            self._since_failed = 0
         return self._completion
 
     def _complete(self) -> list[int] | None:
         self._fuel = _SEARCH_FUEL
+        self._deadline = (time.perf_counter() + _SEARCH_SECONDS, time.thread_time() + _SEARCH_SECONDS)
         m = self.inner.deep_copy()
         if m.is_accepting():
             return []
@@ -299,9 +326,11 @@ class GrammarMatcher:
         out, tokens = bytearray(), []
         while not m.is_accepting():
             self._fuel -= 1
-            if len(out) > _MAX_COMPLETION_BYTES or self._fuel < 0:
+            if len(out) > _MAX_COMPLETION_BYTES or self._fuel < 0 or self._out_of_time():
                 return None
             forced = m.compute_ff_bytes()
+            if len(out) + len(forced) > _MAX_COMPLETION_BYTES:  # before tokenizing and scanning them all
+                return None
             if forced:
                 ids = llt.tokenize_bytes(forced)
             else:
@@ -332,6 +361,11 @@ class GrammarMatcher:
             tokens += ids
         return bytes(out), tokens
 
+    def _out_of_time(self) -> bool:
+        """Whether the search has had its CPU time: read only once its wall time is up (that clock
+        costs a tenth of the CPU clock, and the CPU time cannot be up before it)."""
+        return time.perf_counter() > self._deadline[0] and time.thread_time() > self._deadline[1]
+
     def restrict(self, logits: torch.Tensor, tokens_left: int) -> None:
         """Near the end of the budget, leave only what still lets the grammar finish in time."""
         if tokens_left > HORIZON:
@@ -361,10 +395,27 @@ class GrammarMatcher:
         logits.masked_fill_(~keep, float("-inf"))
 
 
+# llguidance's errors when its limits on one step's work stop a matcher (Earley items, lexer fuel,
+# lexer states): the grammar is too costly to follow from there, not the output wrong.
+_LIMIT_ERRORS = ("Too many items", "fuel", "too complex", "Too Complex", "max_lexer_states")
+
+
+def check_limits(matcher: LLMatcher | GrammarMatcher) -> None:
+    """Raises GrammarTooCostly where llguidance's limits stopped the matcher (at its last token): the
+    sequence could only end there, cut short and read as complete."""
+    if matcher.is_error():
+        error = (matcher.get_error().strip().splitlines() or [""])[0]
+        if any(key in error for key in _LIMIT_ERRORS):
+            raise GrammarTooCostly(f"the grammar of this request's schema is too costly to follow: llguidance "
+                                   f"stopped it ({error}); simplify the schema (deep or recursive nesting, "
+                                   "many optional keys)")
+
+
 def mask_logits(logits: torch.Tensor, matcher: LLMatcher | GrammarMatcher, tokens_left: int | None = None) -> None:
     """Set every token the grammar forbids next to -inf, in place (one row); with the tokens left
     before max_tokens, also every token after which the grammar could no longer finish in time."""
     allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
+    check_limits(matcher)
     n = min(allowed.numel(), logits.numel())
     logits[:n].masked_fill_(allowed[:n] == 0, float("-inf"))
     if logits.numel() > n:

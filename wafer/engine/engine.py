@@ -72,7 +72,8 @@ class LLMEngine:
                                  self.max_model_len, cfg.seed)
         self.speculator = Speculator(cfg.speculative, proposer, on_request, self.blocks, self.max_model_len,
                                      self.stats.spec, cfg.pipeline_parallel > 1)
-        self.picker = TokenPicker(self.sampler, self.speculator, self.outputs, self.stats, self._fail)
+        self.picker = TokenPicker(self.sampler, self.speculator, self.outputs, self.stats, self._fail,
+                                  cfg.grammar_seconds_per_token)
         # Last: the stages are processes, which nothing would stop if a later part of this raised.
         self.executor: Executor
         self.pipeline: PipelineExecutor | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from wafer.engine.constraints import check_limits
 from wafer.engine.sequence import Sequence, SequenceOutput, TokenLogprob
 from wafer.engine.stats import EngineStats
 from wafer.models.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -39,6 +40,7 @@ class OutputProcessor:
         is_eos = token in self.tokenizer.eos_ids and not p.ignore_eos
         if seq.matcher is not None:
             seq.matcher.consume_token(token)
+            check_limits(seq.matcher)  # the sequence fails alone rather than end as if complete
         if is_eos or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         else:

@@ -243,8 +243,14 @@ def best(logits: torch.Tensor) -> torch.Tensor:
     return ext.argmax_rows(logits.view(-1, logits.shape[-1])).view(logits.shape[:-1])
 
 
+# The least logprob reported: a token a grammar or a logit bias rules out has minus infinity, which
+# JSON cannot carry (strict parsers refuse `-Infinity`); vLLM and OpenAI report -9999.0 for it.
+LOGPROB_FLOOR = -9999.0
+
+
 def token_logprob(row_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    """The chosen token's logprob and the k best alternatives, from one row of log-softmax."""
+    """The chosen token's logprob and the k best alternatives, from one row of log-softmax, each at
+    least LOGPROB_FLOOR."""
     top = row_logprobs.topk(k) if k > 0 else None
-    alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-    return TokenLogprob(token, float(row_logprobs[token]), alts)
+    alts = [] if top is None else [(t, max(v, LOGPROB_FLOOR)) for t, v in zip(top.indices.tolist(), top.values.tolist())]
+    return TokenLogprob(token, max(float(row_logprobs[token]), LOGPROB_FLOOR), alts)

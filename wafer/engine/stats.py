@@ -23,6 +23,7 @@ class EngineStats:
     last_batch_size: int = 0  # sequences advanced by the most recent step
     last_forward_seconds: float = 0.0  # of the most recent step: scheduling and the forward pass, before its tokens are picked
     last_mask_seconds: float = 0.0  # of the most recent step: its grammars' masks, part of picking the tokens
+    last_mask_cpu_seconds: float = 0.0  # the same work's CPU time (of the stepping thread: load elsewhere aside)
     max_batch_size: int = 0  # the most sequences one step has advanced
     spec: SpecStats = field(default_factory=SpecStats)
 

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-from wafer.engine.constraints import mask_logits
+from wafer.engine.constraints import GrammarTooCostly, mask_logits
 from wafer.engine.executor import Fail
 from wafer.engine.output_processor import OutputProcessor, merge
 from wafer.engine.sampler import Sampler
@@ -23,12 +23,16 @@ from wafer.engine.stats import EngineStats
 
 log = logging.getLogger("wafer.engine")
 T = TypeVar("T")
+# A constrained request's grammar budget (EngineConfig.grammar_seconds_per_token) counts at least
+# this many tokens: its first masks and completion searches, which cost the most, fit in it.
+BUDGET_HEADSTART = 50
 
 
 class TokenPicker:
     def __init__(self, sampler: Sampler, speculator: Speculator, outputs: OutputProcessor, stats: EngineStats,
-                 fail: Fail) -> None:
+                 fail: Fail, grammar_seconds_per_token: float | None = None) -> None:
         self.sampler = sampler
+        self.grammar_seconds_per_token = grammar_seconds_per_token
         self.speculator = speculator
         self.outputs = outputs
         self.stats = stats
@@ -38,7 +42,7 @@ class TokenPicker:
              outputs: list[SequenceOutput]) -> None:
         """A token for each of `plain` from its row of `rows`, and 1 to len(draft)+1 for each item
         of `verifying` from its rows; their outputs join `outputs`."""
-        self.stats.last_mask_seconds = 0.0
+        self.stats.last_mask_seconds = self.stats.last_mask_cpu_seconds = 0.0
         if plain:
             self._mask(rows, plain, outputs)
             for seq, token, lp in self._sample(rows, plain, outputs):
@@ -50,14 +54,34 @@ class TokenPicker:
                 outputs.append(merge(made))
 
     def _mask(self, rows: torch.Tensor, seqs: list[Sequence], failed: list[SequenceOutput]) -> None:
-        """Each constrained row's grammar mask, in place, timed apart (EngineStats.last_mask_seconds)."""
+        """Each constrained row's grammar mask, in place, timed apart (EngineStats.last_mask_seconds),
+        and charged to its request's grammar budget."""
         constrained = [(i, seq) for i, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
             masking = time.perf_counter()
             for i, seq in constrained:
                 tokens_left = seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt)
+                cpu = time.thread_time()
                 self._guard(seq, failed, partial(mask_logits, rows[i], seq.matcher, tokens_left))
+                spent = time.thread_time() - cpu
+                self.stats.last_mask_cpu_seconds += spent
+                self._guard(seq, failed, partial(self._charge, seq, spent))
             self.stats.last_mask_seconds = time.perf_counter() - masking
+
+    def _charge(self, seq: Sequence, seconds: float) -> None:
+        """Add a step's CPU seconds of grammar work (the mask, the completion search) to the request's
+        count; GrammarTooCostly once that count passes grammar_seconds_per_token for each token it
+        has generated (BUDGET_HEADSTART at least). CPU time of the stepping thread, which the
+        machine's other load does not inflate: each of those seconds held every stream's step."""
+        m = seq.matcher
+        m.seconds += seconds
+        rate = self.grammar_seconds_per_token
+        generated = len(seq.tokens) - seq.num_prompt
+        if rate and m.seconds > rate * max(generated, BUDGET_HEADSTART):
+            raise GrammarTooCostly(
+                f"the grammar of this request's schema took {m.seconds * 1000:.0f} ms of the engine's steps over "
+                f"{generated} tokens, past its budget of {rate * 1000:.0f} ms a token (grammar_ms_per_token), while "
+                "every other stream waited: simplify the schema (deep or recursive nesting, many optional keys)")
 
     def _sample(self, rows: torch.Tensor, seqs: list[Sequence], failed: list[SequenceOutput]
                 ) -> list[tuple[Sequence, int, TokenLogprob | None]]:

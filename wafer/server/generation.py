@@ -27,6 +27,7 @@ from wafer.engine.async_engine import (
     EngineStopped,
     EngineUnavailable,
 )
+from wafer.engine.constraints import GrammarTooCostly
 from wafer.engine.sequence import SamplingParams, SequenceOutput, TokenLogprob
 from wafer.models.chat_template import ChatTemplate
 from wafer.models.generation_defaults import NEUTRAL
@@ -44,6 +45,11 @@ log = logging.getLogger("wafer.server")
 def _shutting_down(e: Exception) -> APIError:
     return APIError(503, f"The server is shutting down ({e}).", "server_error", None, "unavailable",
                     {"Retry-After": "5"})
+
+
+def _too_costly(e: GrammarTooCostly) -> APIError:
+    """The request's schema cost the engine more than its grammar budget: its own error, a 400."""
+    return bad_request(str(e), None, "grammar_too_costly")
 
 
 def _unavailable(e: Exception, rid: str) -> APIError:
@@ -363,6 +369,8 @@ class GenerationHandler:
         return choices if await unless_disconnect(consume(), request, self._aborter(streams)) else None
 
     def _fold(self, c: _Choice, out: Any, rid: str) -> None:
+        if isinstance(out, GrammarTooCostly):
+            raise _too_costly(out)
         if isinstance(out, EngineUnavailable):
             raise _unavailable(out, rid)
         if isinstance(out, EngineFailure):
@@ -400,6 +408,8 @@ class GenerationHandler:
         return b.decode("utf-8", errors="replace"), list(b)
 
     def _error_event(self, e: Exception, rid: str) -> str:
+        if isinstance(e, GrammarTooCostly):
+            e = _too_costly(e)
         if self.m.metrics is not None:  # the HTTP status was 200 already; count what it would have been
             self.m.metrics.error(e.status if isinstance(e, APIError) else 500, self.m.names[0])
             self.m.metrics.tenant_error(current_caller(), e.status if isinstance(e, APIError) else 500)

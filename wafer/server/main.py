@@ -61,6 +61,7 @@ def build_served(loaded: LoadedModel, names: list[str], settings: EngineSettings
                                             max_batched_tokens=s.max_batched_tokens, prefix_caching=c.prefix_caching,
                                             speculative=speculative or SpeculativeConfig(),
                                             prefill_step_seconds=prefill_seconds(s.prefill_step_ms),
+                                            grammar_seconds_per_token=grammar_seconds(s.grammar_ms_per_token),
                                             kv_cache_memory=c.kv_cache_memory, kv_cache_dtype=c.kv_cache_dtype,
                                             **(pipeline or {"pipeline_parallel": s.pipeline_parallel})),
                        draft=draft)
@@ -307,6 +308,13 @@ def prefill_seconds(ms: int) -> float | None:
     """The seconds of prompt work a step may take for `prefill_step_ms` (0: only max_batched_tokens bounds it)."""
     if ms < 0:
         raise ConfigError(f"prefill_step_ms must be 0 or more, not {ms}")
+    return ms / 1000 if ms else None
+
+
+def grammar_seconds(ms: int) -> float | None:
+    """The CPU seconds of grammar work a request may take per token for `grammar_ms_per_token` (0: no limit)."""
+    if ms < 0:
+        raise ConfigError(f"grammar_ms_per_token must be 0 or more, not {ms}")
     return ms / 1000 if ms else None
 
 

@@ -185,6 +185,14 @@ class ServerMetrics:
         self.step_seconds = Histogram("wafer:engine_step_seconds", "Wall time of each engine step, by kind (prompt: "
                                       "it computed prompt tokens, with or without decodes; decode: only decodes).",
                                       [*lbl, "kind"], buckets=_STEPS, registry=r)
+        self.mask_seconds = Histogram("wafer:grammar_mask_seconds", "Wall time of each engine step's grammar work "
+                                      "(llguidance's masks and the searches for a way to close the JSON within "
+                                      "max_tokens), for the steps that had any; every stream waits as long.",
+                                      lbl, buckets=_STEPS, registry=r)
+        self.mask_cpu_seconds = Histogram("wafer:grammar_mask_cpu_seconds", "CPU time of the same work (of the "
+                                          "thread that steps the engine): on a machine shared with other jobs, what "
+                                          "the grammars cost apart from the wait for a core.", lbl, buckets=_STEPS,
+                                          registry=r)
         self.batch = Gauge("wafer:batch_size", "Sequences advanced by the last engine step.", lbl, registry=r)
         self.prefix_hit_rate = Gauge("wafer:prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / prompt tokens looked up.", lbl,
@@ -207,7 +215,12 @@ class ServerMetrics:
         self.kv_written.labels(name).set_function(lambda: engine.stats().kv_written_bytes)
         self.batch.labels(name).set_function(lambda: engine.stats().last_batch_size)
         engine.step_observers.append(lambda step: self.step_seconds.labels(name, step.kind).observe(step.seconds))
+        engine.step_observers.append(lambda step: step.mask_seconds and self._masked(name, step))
         self.prefix_hit_rate.labels(name).set_function(lambda: engine.stats().prefix_hit_rate)
+
+    def _masked(self, name: str, step: Any) -> None:
+        self.mask_seconds.labels(name).observe(step.mask_seconds)
+        self.mask_cpu_seconds.labels(name).observe(step.mask_cpu_seconds)
 
     def add_replicas(self, pools: dict[str, Any]) -> None:
         """An upstream's replicas (router/replicas.py ReplicaSets, by upstream name), read at scrape time."""

@@ -24,6 +24,7 @@ from llguidance import LLMatcher
 
 from wafer import untrusted_json
 from wafer.engine.constraints import CALL_CLOSE, CALL_OPEN
+from wafer.server.finite_schema import unbounded_part
 from wafer.server.errors import bad_request
 
 OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
@@ -70,6 +71,11 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
         raise bad_request(f"not a valid JSON Schema: {e.message}", param) from None
     except RecursionError:  # a $ref cycle the meta-schema check follows
         raise bad_request("not a valid JSON Schema: its references recurse without end", param) from None
+    part = unbounded_part(schema)
+    if part is not None:
+        raise bad_request(f"the schema admits no finite value: its part {part!r} requires itself again on every "
+                          "branch (a recursive '$ref' that is required, or a '$ref' cycle), so no reply could ever "
+                          "complete it", param)
     return schema
 
 

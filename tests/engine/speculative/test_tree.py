@@ -177,35 +177,37 @@ class FixedTrees:
 
 def test_sampled_trees_follow_the_target_distribution(tiny_pair, monkeypatch) -> None:
     """At temperature 0.7, every token is distributed as the target samples it, whichever of a
-    node's candidates is tried first, kept or replaced: the distribution of each of the first four
-    tokens against the target's, summed over the paths before it."""
+    node's candidates is kept, or none: the distribution of each of the first three tokens against
+    the target's, summed over the paths before it (the second and third come from trees, the third
+    from a node of depth 2 where the first candidate was kept)."""
     from wafer.engine.speculative import verification
 
     target = tiny_pair[0]
-    want = _marginals(target, PROMPT, 4, temperature=0.7)
+    want = _marginals(target, PROMPT, 3, temperature=0.7)
     kept_at: list[int | None] = []
     sample = verification.rejection_sample
     monkeypatch.setattr(verification, "rejection_sample",
                         lambda *a: (r := sample(*a), kept_at.append(r[1]))[0])
-    n = 3000
+    n = 2000
     spec = SpeculativeConfig.parse("ngram", 6)
     spec.max_running = 100
     eng = engine(target, spec, max_running=100, seed=0)
     eng.speculator.proposer = FixedTrees()
-    counts = torch.zeros(4, 16)
-    sp = SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True)
+    counts = torch.zeros(3, 16)
+    sp = SamplingParams(max_tokens=6, temperature=0.7, ignore_eos=True)
     for _ in range(n // 100):
         for s in eng.generate([PROMPT] * 100, sp):
-            for pos in range(4):
+            for pos in range(3):
                 counts[pos, s.output_ids[pos]] += 1
     st = eng.stats.spec
     assert st.drafts > n // 2 and 0 < st.accepted_tokens < st.draft_tokens
-    assert kept_at.count(1) + kept_at.count(2) > n // 10  # a second or third candidate kept, often
-    assert kept_at.count(0) > n // 10 and kept_at.count(None) > n // 10
-    # Bound as in test_sampled_speculation_follows_the_target_distribution: expected TV about 0.02;
-    # a walk that kept a candidate judged against the wrong residual is off by more.
-    for pos in range(4):
-        assert _tv(counts[pos] / n, want[pos]) < 0.05, (pos, _tv(counts[pos] / n, want[pos]))
+    # Every way out of a node ran hundreds of times: its first, a later candidate, or none.
+    assert min(kept_at.count(0), kept_at.count(1) + kept_at.count(2), kept_at.count(None)) > n // 20, kept_at
+    # Bound: 16 categories, 2000 draws: expected total variation about 0.025; a walk that judged
+    # a later candidate against p instead of the residual, or never corrected a rejection, is off
+    # by more than 0.1.
+    for pos in range(3):
+        assert _tv(counts[pos] / n, want[pos]) < 0.06, (pos, _tv(counts[pos] / n, want[pos]))
 
 
 def test_multi_candidate_rejection_keeps_the_target_distribution() -> None:

@@ -123,6 +123,11 @@ def _greedy_equal_with_trees(loaded, prompts: list[list[int]], max_tokens: int, 
             assert lps == want if exact else lps == pytest.approx(want, abs=1e-4)
     st = spec.stats.spec
     assert moves and 0 < st.accepted_tokens < st.draft_tokens  # later branches kept, wrong ones not
+    # The blocks of a finished answer, moved rows among them, are a cached prefix for a prompt that
+    # goes on from it: it goes on as decoding does.
+    for p, a in zip(prompts, plain):
+        more = spec.generate([p + a.output_ids[:-4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+        assert more.num_cached_prompt > len(p) and more.output_ids == a.output_ids[-4:]
 
 
 def test_greedy_trees_equal_plain_on_the_fused_step() -> None:

@@ -9,6 +9,9 @@ Three workloads, greedy, up to 256 new tokens, 2 threads, on the default model o
 - free writing: three open prompts (a story, an essay, a letter), where little can be copied.
 `--draft terra` adds draft-model speculation with that model (same tokenizer) proposing. Each method
 runs with K fixed and with `--speculative-length adaptive` (up to K a step, as measured steps pay).
+`--tree B` adds n-gram drafts as trees: the continuations of the B latest matches of the suffix
+(not only the latest), merged where they agree, K nodes in all, verified in one step: its
+acceptance length beside the chain's says what the other candidates add.
 
 Decode tokens/s counts the tokens after the first over the time after the first, summed over the
 prompts of a workload. Every system runs the workload once a round, in an order that turns each
@@ -96,6 +99,52 @@ def wafer_runner(loaded, spec: str, k: int, draft=None, length: str = "fixed"):
     return engine, run
 
 
+class NgramTree:
+    """Prompt lookup that proposes a tree: what followed each of the `branches` latest earlier
+    occurrences of the longest suffix that has one (n_max down to n_min tokens), merged where they
+    agree, the latest first, at most k nodes (each continuation its share of them)."""
+
+    def __init__(self, branches: int, n_max: int = 4, n_min: int = 2) -> None:
+        self.branches, self.n_max, self.n_min = branches, n_max, n_min
+
+    def propose(self, seqs, limits):
+        return [self._tree(seq.tokens, k) for seq, k in zip(seqs, limits)]
+
+    def _tree(self, toks: list[int], k: int):
+        from wafer.engine.speculative.proposer import Draft
+
+        last = len(toks) - 1
+        ends: list[int] = []
+        for n in range(self.n_max, self.n_min - 1, -1):
+            suffix = toks[len(toks) - n:]
+            ends = [e for e in range(last - 1, n - 2, -1) if toks[e - n + 1 : e + 1] == suffix][: self.branches]
+            if ends:
+                break
+        tokens: list[int] = []
+        parents: list[int] = []
+        node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for i, e in enumerate(ends):
+            share = k // len(ends) + (k % len(ends) if i == 0 else 0)
+            parent, added = -1, 0
+            for t in toks[e + 1 : min(e + 1 + k, last + 1)]:
+                node = node_of.get((parent, t))
+                if node is None:
+                    if added >= share or len(tokens) >= k:
+                        break
+                    tokens.append(t)
+                    parents.append(parent)
+                    node = node_of[(parent, t)] = len(tokens) - 1
+                    added += 1
+                parent = node
+        return Draft(tokens, None, parents)
+
+    def verified(self, seq, start_len: int, accepted: int, proposed: int) -> None:
+        pass
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
 def llama_cpp_run(isa: str, model: str | None = None):
     if not available(isa):
         return None
@@ -142,6 +191,8 @@ def main() -> None:
                                                   "(default: the bundled SmolLM2)")
     ap.add_argument("--draft", default=None, help="also speculate with this draft model (a tier, name or path)")
     ap.add_argument("--workloads", nargs="*", default=None, help="only these workloads")
+    ap.add_argument("--tree", type=int, default=0, metavar="B",
+                    help="also n-gram trees of the B latest matches' continuations (0: none)")
     args = ap.parse_args()
     os.environ["WAFER_KERNELS"] = args.isa
     torch.set_num_threads(THREADS)
@@ -165,6 +216,10 @@ def main() -> None:
         methods[f"{label} + draft {draft.name} k={args.k}"] = wafer_runner(loaded, f"draft:{args.draft}", args.k, draft)
         methods[f"{label} + draft {draft.name} k<={args.k} adaptive"] = wafer_runner(
             loaded, f"draft:{args.draft}", args.k, draft, length="adaptive")
+    if args.tree:
+        engine, run = wafer_runner(loaded, "ngram", args.k)
+        engine.speculator.proposer = NgramTree(args.tree)
+        methods[f"{label} + ngram tree of {args.tree} k={args.k}"] = engine, run
     lcpp = llama_cpp_run(build_for(variant), model_path)
     plain(loads[next(iter(loads))][0], 8)  # warm-up
     for _, run in methods.values():

@@ -71,7 +71,8 @@ class LLMEngine:
         proposer = make_proposer(cfg.speculative, loaded, draft, on_request, self.blocks.num_slots,
                                  self.max_model_len, cfg.seed)
         self.speculator = Speculator(cfg.speculative, proposer, on_request, self.blocks, self.max_model_len,
-                                     self.stats.spec, cfg.pipeline_parallel > 1)
+                                     self.stats.spec, cfg.pipeline_parallel > 1,
+                                     self.kv if cfg.pipeline_parallel == 1 else None)
         self.picker = TokenPicker(self.sampler, self.speculator, self.outputs, self.stats, self._fail,
                                   cfg.grammar_seconds_per_token)
         # Last: the stages are processes, which nothing would stop if a later part of this raised.

@@ -58,3 +58,17 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.layers[0][0].device
+
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the KV rows of positions `src` of the slot's sequence to positions `dst`, in every
+        layer: a verified draft tree's accepted path, to where its tokens now are. Every source is
+        read before any destination is written."""
+        if not src:
+            return
+        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        for group, pools in zip(self.blocks.layer_group, self.layers):
+            table = self.blocks.tables[group, slot]
+            sb, so = table[s // BLOCK].to(self.device), (s % BLOCK).to(self.device)
+            db, do = table[d // BLOCK].to(self.device), (d % BLOCK).to(self.device)
+            for pool in pools:
+                pool[:, db, do] = pool[:, sb, so]

@@ -21,6 +21,7 @@ from wafer.models.attention import (
     causal_masks,
     decode_masks,
 )
+from wafer.engine.speculative.draft_tree import remap_rows, tree_masks
 from wafer.kernels.fused_decode import FusedDecode
 from wafer.models.llama import LlamaModel
 
@@ -39,6 +40,8 @@ class StepBatch:
     # Only each row's argmax is wanted (every row greedy, without logprobs, penalties or grammar): a
     # pipeline's last stage then sends the tokens back instead of the logits.
     argmax_only: bool = False
+    # The fused step's draft trees: per token [base, KV positions of rotary positions base...] (FusedDecode)
+    remap: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -85,7 +88,8 @@ class ModelRunner:
         chunks = [s for s in scheduled if s.count > 1]
         order = singles + chunks
         ids: list[int] = []
-        positions: list[int] = []
+        positions: list[int] = []  # rotary
+        places: list[int] = []  # in the KV cache
         slots: list[int] = []
         prefills: list[PrefillChunk] = []
         tables = self.kv.blocks.tables
@@ -93,19 +97,22 @@ class ModelRunner:
             seq, start, n = item.seq, item.start, item.count
             if n > 1:
                 ctx = start + n
+                masks = (causal_masks(start, n, self.windows) if item.tree is None
+                         else tree_masks(start, n - len(item.draft), item.tree, self.windows))
                 # (a copy: a view would carry the whole table wherever the step is pickled, to a stage)
-                prefills.append(PrefillChunk(len(ids), n, tables[:, seq.slot, : -(-ctx // BLOCK)].clone(), ctx,
-                                             causal_masks(start, n, self.windows)))
+                prefills.append(PrefillChunk(len(ids), n, tables[:, seq.slot, : -(-ctx // BLOCK)].clone(), ctx, masks))
             ids.extend(item.input_ids())
-            positions.extend(range(start, start + n))
+            positions.extend(item.positions())
+            places.extend(range(start, start + n))
             slots.extend([item.slot] * n)
         lengths = [s.start + 1 for s in singles]
         nblk = -(-max(lengths, default=0) // BLOCK)
         pos = torch.tensor(positions, dtype=torch.long)
+        place = torch.tensor(places, dtype=torch.long)
         slot_t = torch.tensor(slots, dtype=torch.long)
         batch = AttentionBatch(
-            write_blocks=tables[:, slot_t, pos // BLOCK],
-            write_offsets=pos % BLOCK,
+            write_blocks=tables[:, slot_t, place // BLOCK],
+            write_offsets=place % BLOCK,
             positions=pos,
             num_decode=len(singles),
             decode_tables=tables[:, [s.seq.slot for s in singles], :nblk],
@@ -129,21 +136,29 @@ class ModelRunner:
         """The fused step computes every token on its own (its row's activations, its own attention
         over its slot up to its position, after all the step's keys are written), so a draft verified
         there gives bitwise the logits that decoding it token by token would, and a prompt's KV
-        entries are the same however it was chunked: tokens stay in the order of `scheduled`."""
+        entries are the same however it was chunked: tokens stay in the order of `scheduled`. A draft
+        tree's nodes take their rotary positions and, where their path does not lie in place, say
+        where its KV rows are (`remap`): each node's attention then reads, in the order of its
+        positions, the rows decoding its path would have written."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
+        remap: dict[int, list[int]] = {}  # token index -> its remap row
         for item in scheduled:
+            if item.tree is not None:
+                own = item.count - len(item.draft)
+                for i, r in enumerate(remap_rows(item.start + own, item.tree)):
+                    remap[len(ids) + own + i] = r
             ids.extend(item.input_ids())
-            positions.extend(range(item.start, item.start + item.count))
+            positions.extend(item.positions())
             slots.extend([item.slot] * item.count)
             if item.samples:
                 rows.extend(range(len(ids) - item.rows, len(ids)))
         return StepBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                          torch.tensor(slots, dtype=torch.long),
                          torch.arange(len(ids)) if all_logits else torch.tensor(rows, dtype=torch.long),
-                         self.kv.blocks.tables, None)
+                         self.kv.blocks.tables, None, remap=_remap_tensor(positions, remap))
 
     def execute(self, step: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The step on this runner's model: logits [step.num_rows, vocab], or hidden states [N, hidden]
@@ -151,7 +166,7 @@ class ModelRunner:
         if self.fused is not None:
             assert step.tables is not None, "a step prepared for the Python model cannot run the fused step"
             rows = step.rows if step.rows is not None else torch.arange(step.ids.numel())
-            return self.fused(step.ids, step.positions, step.slots, step.tables, rows, hidden)
+            return self.fused(step.ids, step.positions, step.slots, step.tables, rows, hidden, step.remap)
         assert step.attention is not None, "a step prepared for the fused step cannot run the Python model"
         batch = step.attention.to(self.device)
         args = [step.ids.to(self.device), batch.positions, batch, self.caches,
@@ -159,3 +174,16 @@ class ModelRunner:
         if hidden is not None:  # a pipeline stage's (a Llama-family model)
             args.append(hidden.to(self.device, self.model.norm.weight.dtype))
         return self.model(*args).cpu()
+
+
+def _remap_tensor(positions: list[int], remap: dict[int, list[int]]) -> torch.Tensor | None:
+    """[tokens, width] of the remap rows (a token without one: base past its own position), or None
+    where no token has one (every draft a chain)."""
+    if not remap:
+        return None
+    width = max(len(r) for r in remap.values())
+    out = torch.zeros(len(positions), width, dtype=torch.long)
+    out[:, 0] = torch.tensor(positions, dtype=torch.long) + 1
+    for i, r in remap.items():
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out

@@ -22,6 +22,7 @@ from wafer.config import CacheSettings
 from wafer.engine.block_manager import BlockManager
 from wafer.engine.kv_layout import BLOCK
 from wafer.engine.sequence import Sequence, Status
+from wafer.engine.speculative.draft_tree import DraftTree
 from wafer.engine.step_cost import positions_of, tokens_within
 
 # A prompt that gets a chunk in a step gets at least this many of its tokens, however far into a
@@ -41,6 +42,7 @@ class ScheduledSeq:
     # Speculative tokens fed after the sequence's own: the step verifies them, one logits row each.
     draft: list[int] = field(default_factory=list)
     draft_probs: object = None  # [len(draft), vocab] tensor the draft was sampled from, or None
+    tree: DraftTree | None = None  # the draft's shape where it is not a chain (draft_tree.py)
     rows: int = 1  # logits rows wanted, from the end of this step's tokens (1 + len(draft) to verify)
 
     @property
@@ -53,6 +55,14 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, so its last logits give a token."""
         return self.start + self.count == len(self.seq.tokens) + len(self.draft)
+
+    def positions(self) -> list[int]:
+        """The rotary positions of this step's tokens: their KV positions, but for a tree's nodes,
+        which take their depth's (draft_tree.py)."""
+        if self.tree is None:
+            return list(range(self.start, self.start + self.count))
+        own = self.count - len(self.draft)
+        return list(range(self.start, self.start + own)) + self.tree.positions(self.start + own - 1)
 
     def input_ids(self) -> list[int]:
         """Tokens [start, start + count) of the sequence followed by its draft."""

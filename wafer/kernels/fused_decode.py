@@ -82,10 +82,13 @@ class FusedDecode:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 tables: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                 tables: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor | None = None,
+                 remap: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(rows), vocab] for those of M tokens, each at its own (slot, position); the
         caches are pools of blocks, and `tables` [groups, slots, max_blocks] lists each slot's blocks. A
-        pipeline stage goes on from `hidden`, and without a head returns hidden states [M, hidden]."""
+        pipeline stage goes on from `hidden`, and without a head returns hidden states [M, hidden].
+        `remap` [M, width]: draft trees' nodes, whose paths' KV rows lie elsewhere than their
+        positions say (ModelRunner._prepare_fused)."""
         model = self.model
         none = torch.empty(0)
         if self.gemma:
@@ -101,4 +104,4 @@ class FusedDecode:
         else:
             x = model.embed_tokens(input_ids) if hidden is None else hidden
             rope = (model.rotary.cos, model.rotary.sin, none, none, none)
-        return self.layers.step(x, positions, slots, *rope, tables, rows)
+        return self.layers.step(x, positions, slots, *rope, tables, rows, none if remap is None else remap)

@@ -390,18 +390,18 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
     # Bound: with 8 categories and 40k draws the expected total variation is about 0.006.
     counts = torch.zeros(8)
     for d in torch.multinomial(q, n, replacement=True, generator=gen).tolist():
-        counts[rejection_sample(p, d, q, gen)[0]] += 1
+        counts[rejection_sample(p, [d], [q], gen)[0]] += 1
     assert _tv(counts / n, p) < 0.015
     # Deterministic proposals (n-gram): always proposing token 4.
     counts.zero_()
     for _ in range(n):
-        counts[rejection_sample(p, 4, None, gen)[0]] += 1
+        counts[rejection_sample(p, [4], None, gen)[0]] += 1
     assert _tv(counts / n, p) < 0.015
 
 
 @torch.inference_mode()
-def _marginals(loaded, prompt: list[int], depth: int) -> list[torch.Tensor]:
-    """The target's distribution of each of the first `depth` sampled tokens (temperature 1), by
+def _marginals(loaded, prompt: list[int], depth: int, temperature: float = 1.0) -> list[torch.Tensor]:
+    """The target's distribution of each of the first `depth` sampled tokens (at `temperature`), by
     summing over the paths of earlier tokens (a vocabulary of 16)."""
     eng = engine(loaded, max_running=1)
 
@@ -409,7 +409,7 @@ def _marginals(loaded, prompt: list[int], depth: int) -> list[torch.Tensor]:
         seq = eng.add(ids, SamplingParams(max_tokens=1, temperature=0))
         logits = eng.runner.run(eng.scheduler.schedule())
         eng.abort(seq.seq_id)
-        return logits[-1].softmax(-1)
+        return (logits[-1] / temperature).softmax(-1)
 
     paths = {(): 1.0}  # earlier tokens -> their probability
     out = []

@@ -12,8 +12,15 @@ from wafer.engine.sequence import Sequence
 
 @dataclass
 class Draft:
+    """Proposed tokens: a chain, or a tree of candidate continuations verified in one step.
+
+    `parents[i]` is node i's parent's index in `tokens`, -1 for the root (the sequence's last
+    token); parents come before their children. None: a chain (parents -1, 0, 1, ...). Siblings
+    are alternatives for the same position, tried in their order."""
+
     tokens: list[int]
-    probs: torch.Tensor | None = None  # [len(tokens), vocab] the draft sampled from; None: deterministic
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] each node was sampled from; None: deterministic
+    parents: list[int] | None = None
 
 
 class Proposer(Protocol):

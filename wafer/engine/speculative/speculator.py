@@ -10,14 +10,16 @@ from dataclasses import dataclass
 import torch
 
 from wafer.engine.block_manager import BlockManager
+from wafer.engine.kv_cache import KVCache
 from wafer.engine.sampler import Sampler
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import Sequence, SequenceOutput
 from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.engine.speculative.draft_length import DraftLength
 from wafer.engine.speculative.draft_model import DraftModelProposer
+from wafer.engine.speculative.draft_tree import DraftTree, accepted_moves
 from wafer.engine.speculative.ngram import NgramProposer
-from wafer.engine.speculative.proposer import Proposer
+from wafer.engine.speculative.proposer import Draft, Proposer
 from wafer.engine.speculative.stats import SpecStats
 from wafer.engine.speculative.verification import Append, verify
 from wafer.models.loader import LoadedModel
@@ -61,12 +63,16 @@ class StepMark:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None, on_request: bool,
-                 blocks: BlockManager, max_model_len: int, stats: SpecStats, pipelined: bool) -> None:
-        """`on_request`: drafts only for requests that ask (lookup_on_request)."""
+                 blocks: BlockManager, max_model_len: int, stats: SpecStats, pipelined: bool,
+                 kv: KVCache | None = None) -> None:
+        """`on_request`: drafts only for requests that ask (lookup_on_request). `kv`: the cache whose
+        rows an accepted tree path moves in; None (pipeline stages, which hold the KV in their
+        processes): trees are cut to their first path, a chain, whose rows lie in place."""
         self.config = config
         self.proposer = proposer
         self.on_request = on_request
         self.blocks = blocks
+        self.kv = kv
         self.max_model_len = max_model_len
         self.stats = stats
         # Lookup asked for by a request always chooses its length: where it does not pay it goes quiet.
@@ -121,7 +127,7 @@ class Speculator:
             for item in scheduled:
                 if item.draft:
                     item.count -= len(item.draft)
-                    item.rows, item.draft, item.draft_probs = 1, [], None
+                    item.rows, item.draft, item.draft_probs, item.tree = 1, [], None, None
 
     def _attach(self, scheduled: list[ScheduledSeq]) -> None:
         if self.proposer is None or not any(self._may_draft(item) for item in scheduled):
@@ -148,11 +154,30 @@ class Speculator:
                 limits.append(room)
         if not items:
             return
-        for item, draft in zip(items, self.proposer.propose([i.seq for i in items], limits)):
+        for item, limit, draft in zip(items, limits, self.proposer.propose([i.seq for i in items], limits)):
+            draft = self._shaped(draft, limit)
             if draft.tokens:
                 item.draft, item.draft_probs = draft.tokens, draft.probs
+                item.tree = DraftTree.of(len(draft.tokens), draft.parents) if draft.parents is not None else None
                 item.count += len(draft.tokens)
                 item.rows = 1 + len(draft.tokens)
+
+    def _shaped(self, draft: Draft, limit: int) -> Draft:
+        """The draft as this engine verifies it: within its limit (ValueError past it, or for a
+        malformed tree), a tree whose one path is a chain as the chain, and without a cache to move
+        an accepted path's rows in (pipeline stages), a tree cut to its first path."""
+        if len(draft.tokens) > limit:
+            raise ValueError(f"a draft of {len(draft.tokens)} tokens past its limit of {limit}")
+        if draft.parents is None:
+            return draft
+        tree = DraftTree.of(len(draft.tokens), draft.parents)
+        if tree.is_chain:
+            return Draft(draft.tokens, draft.probs)
+        if self.kv is None:
+            keep = tree.first_path()
+            probs = draft.probs[keep] if draft.probs is not None else None
+            return Draft([draft.tokens[i] for i in keep], probs)
+        return draft
 
     def follow_prompt(self, scheduled: list[ScheduledSeq], num_running: int) -> None:
         """A draft model computes the prompt chunks the target computed in this step, for the
@@ -170,14 +195,19 @@ class Speculator:
                 self.proposer.release(item.seq.seq_id)
 
     def verify(self, item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: Append) -> list[SequenceOutput]:
-        """The target's logits over [last token, draft...] turned into 1 to len(draft)+1 tokens."""
+        """The target's logits over [last token, draft...] turned into 1 to (tree depth)+1 tokens;
+        the accepted path's KV rows moved to follow the sequence's last token (in place on a chain)."""
         seq = item.seq
         start_len = len(seq.tokens)
-        outs, accepted = verify(item, rows, sampler, append)
-        self.stats.record(len(item.draft), accepted)
+        outs, path = verify(item, rows, sampler, append)
+        self.stats.record(len(item.draft), len(path))
         if not seq.finished and seq.slot is not None and self.proposer is not None:
+            src, dst = accepted_moves(start_len, path)
+            if src:
+                assert self.kv is not None, "a tree is verified only where its accepted rows can move"
+                self.kv.move(seq.slot, src, dst)
             self.blocks.set_length(seq.slot, seq.num_cached)
-            self.proposer.verified(seq, start_len, accepted, len(item.draft))
+            self.proposer.verified(seq, start_len, len(path), len(item.draft))
         return outs
 
     def mark(self, scheduled: list[ScheduledSeq]) -> StepMark:

@@ -158,18 +158,26 @@ inline void prefetch_block(Row row, int64_t j, int64_t end, int shift, int64_t R
     if (j < end) prefetch_rows(row(j), std::min(B - (j & (B - 1)), end - j) * R);
 }
 
+// Where the run of rows that starts at position j0 ends: its block's end (or `end`), and `split`,
+// from which on each position's row lies on its own (a draft tree's path: draft_tree.py).
+inline int64_t run_end(int64_t j0, int64_t end, int shift, int64_t split) {
+    if (j0 >= split) return j0 + 1;
+    return std::min(std::min(end, split), ((j0 >> shift) + 1) << shift);
+}
+constexpr int64_t kNoSplit = INT64_MAX;
+
 // o[0..n) = scale * sum_j p[j] v_j over positions j in [start, end), whose rows lie in blocks of
-// 2^shift positions: row(j0) is the row of j0, and the rows after it up to its block's end follow
-// it (rows of kv_row<T>(n) elements, each times its own scale).
+// 2^shift positions: row(j0) is the row of j0, and the rows after it up to its run's end follow
+// it (rows of kv_row<T>(n) elements, each times its own scale; run_end).
 template <class Row>
 inline void weighted_sum(const float* p, int64_t start, int64_t end, int shift, Row row, float scale, float* o,
-                         int64_t n) {
+                         int64_t n, int64_t split = kNoSplit) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(row(start))>>;
     const int64_t R = kv_row<T>(n);
     if (n == 64) {  // four vectors hold the whole output row
         simd::F a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j0 = start; j0 < end;) {
-            const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+            const int64_t stop = run_end(j0, end, shift, split);
             const T* r = row(j0);
             prefetch_block(row, stop, end, shift, R);
             for (int64_t j = j0; j < stop; ++j, r += R) {
@@ -190,7 +198,7 @@ inline void weighted_sum(const float* p, int64_t start, int64_t end, int shift, 
     }
     for (int64_t e = 0; e < n; ++e) o[e] = 0.0f;
     for (int64_t j0 = start; j0 < end;) {
-        const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+        const int64_t stop = run_end(j0, end, shift, split);
         const T* r = row(j0);
         for (int64_t j = j0; j < stop; ++j, r += R) {
             const float w = p[j] * kv_scale(r, n);
@@ -263,14 +271,14 @@ inline void accumulate_block(const float* p, int64_t stride, int64_t j0, int64_t
 // sum runs over j in order, however many pieces are taken at once: the bits do not depend on it.
 template <int H, class Row>
 inline void weighted_sums(const float* p, int64_t stride, int64_t start, int64_t end, int shift, Row row,
-                          const float* total, float* o, int64_t n) {
+                          const float* total, float* o, int64_t n, int64_t split) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(row(start))>>;
     const int64_t R = kv_row<T>(n);
     // Four pieces at once where their accumulators, the H weights and a row's piece fit in registers.
     constexpr int kWide = H * 4 + H + 1 <= simd::kRegisters ? 4 : 1;
     for (int64_t i = 0; i < H * n; ++i) o[i] = 0.0f;
     for (int64_t j0 = start; j0 < end;) {
-        const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+        const int64_t stop = run_end(j0, end, shift, split);
         prefetch_block(row, stop, end, shift, R);
         if (n % (16 * kWide) == 0)
             accumulate_block<H, kWide>(p, stride, j0, stop, row(j0), o, n);
@@ -286,7 +294,7 @@ inline void weighted_sums(const float* p, int64_t stride, int64_t start, int64_t
 
 template <int H, class KRow, class VRow>
 inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int shift, float scale, KRow krow, VRow vrow,
-                     float* p, int64_t stride, float* o) {
+                     float* p, int64_t stride, float* o, int64_t split) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(krow(start))>>;
     const int64_t R = kv_row<T>(n);
     // The keys kAhead blocks ahead, and each block's values while its keys are read (they are read
@@ -296,7 +304,7 @@ inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int 
     for (int64_t a = 1; a < kAhead; ++a) prefetch_block(krow, ((start >> shift) + a) << shift, end, shift, R);
     for (int64_t j0 = start; j0 < end;) {
         const T* K = krow(j0);
-        const int64_t stop = std::min(end, ((j0 >> shift) + 1) << shift);
+        const int64_t stop = run_end(j0, end, shift, split);
         prefetch_block(krow, ((j0 >> shift) + kAhead) << shift, end, shift, R);
         prefetch_block(vrow, j0, end, shift, R);
         for (int64_t j = j0; j < stop; j += 16, K += 16 * R)
@@ -306,30 +314,32 @@ inline void attend_n(const float* q, int64_t n, int64_t start, int64_t end, int 
     float total[H];
     for (int h = 0; h < H; ++h) total[h] = softmax_exp(p + h * stride + start, end - start);
     if constexpr (H == 1)  // one pass over the rows, the whole output row in registers where it fits
-        weighted_sum(p, start, end, shift, vrow, 1.0f / total[0], o, n);
+        weighted_sum(p, start, end, shift, vrow, 1.0f / total[0], o, n, split);
     else
-        weighted_sums<H>(p, stride, start, end, shift, vrow, total, o, n);
+        weighted_sums<H>(p, stride, start, end, shift, vrow, total, o, n, split);
 }
 
 // Attention of H (at most kMaxHeads) consecutive query heads q [H, n] that share one KV head, over
-// its positions [start, end): o [H, n]. p is scratch of H rows of `stride` floats.
+// its positions [start, end): o [H, n]. p is scratch of H rows of `stride` floats. Rows of positions
+// from `split` on are read one by one (run_end): each position's score and weight are its own, and
+// the sums run over positions in order, so their bits are those of rows laid out in place.
 template <class KRow, class VRow>
 inline void attend_heads(const float* q, int64_t H, int64_t n, int64_t start, int64_t end, int shift, float scale,
-                         KRow krow, VRow vrow, float* p, int64_t stride, float* o) {
+                         KRow krow, VRow vrow, float* p, int64_t stride, float* o, int64_t split = kNoSplit) {
     if (n % 16 != 0) {  // no head size of a supported model; plain loops, a head at a time
         for (int64_t h = 0; h < H; ++h) {
             float* ph = p + h * stride;
             for (int64_t j = start; j < end; ++j) ph[j] = dot(q + h * n, krow(j), n) * kv_scale(krow(j), n) * scale;
             const float total = softmax_exp(ph + start, end - start);
-            weighted_sum(ph, start, end, shift, vrow, 1.0f / total, o + h * n, n);
+            weighted_sum(ph, start, end, shift, vrow, 1.0f / total, o + h * n, n, split);
         }
         return;
     }
     switch (H) {
-        case 1: return attend_n<1>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
-        case 2: return attend_n<2>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
-        case 3: return attend_n<3>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
-        default: return attend_n<4>(q, n, start, end, shift, scale, krow, vrow, p, stride, o);
+        case 1: return attend_n<1>(q, n, start, end, shift, scale, krow, vrow, p, stride, o, split);
+        case 2: return attend_n<2>(q, n, start, end, shift, scale, krow, vrow, p, stride, o, split);
+        case 3: return attend_n<3>(q, n, start, end, shift, scale, krow, vrow, p, stride, o, split);
+        default: return attend_n<4>(q, n, start, end, shift, scale, krow, vrow, p, stride, o, split);
     }
 }
 
@@ -370,6 +380,19 @@ struct Rope {
     const int64_t* row = nullptr;  // nullptr: a token's row is its position
 };
 
+// Draft trees (draft_tree.py): token m's positions from rows[m * width] on lie elsewhere than their
+// number says, at the positions rows[m * width + 1 + (p - base)] (its own among them: where it is
+// written). rows nullptr: every position is where its number says.
+struct Tree {
+    const int64_t* rows = nullptr;
+    int64_t width = 0;
+    int64_t base(int64_t m) const { return rows != nullptr ? rows[m * width] : kNoSplit; }
+    int64_t place(int64_t m, int64_t p) const {
+        const int64_t b = base(m);
+        return p < b ? p : rows[m * width + 1 + (p - b)];
+    }
+};
+
 // Where a sequence's positions lie in the pools: position p of the sequence whose table row is
 // `row` is in block row[p / block], at p % block.
 struct Tables {
@@ -398,7 +421,7 @@ template <class T>
 inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
                           const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
                           const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits,
-                          const Rope& rope) {
+                          const Rope& rope, const Tree& tree) {
     const int64_t hidden = dims.hidden, n_heads = dims.n_heads, n_kv = dims.n_kv, head_dim = dims.head_dim;
     const int64_t group = n_heads / n_kv, q_dim = n_heads * head_dim, kv_dim = n_kv * head_dim;
     const int64_t row = q_dim + 2 * kv_dim;
@@ -440,7 +463,7 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
             const float* s = (local ? rope.sin_local : S) + at_row * head_dim;
             for (int64_t hd = 0; hd < n_heads + n_kv; ++hd) wafer::rope(r + hd * head_dim, c, s, head_dim);
             for (int64_t kh = 0; kh < n_kv; ++kh) {
-                const int64_t o = at(m, kh, pos[m]);
+                const int64_t o = at(m, kh, tree.place(m, pos[m]));
                 kv_store(Kc + o, r + q_dim + kh * head_dim, head_dim);
                 kv_store(Vc + o, r + q_dim + kv_dim + kh * head_dim, head_dim);
             }
@@ -458,10 +481,17 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
                 const int64_t m = i / (n_kv * chunks), kh = i / chunks % n_kv, h0 = kh * group + i % chunks * per;
                 const int64_t H = std::min(per, (kh + 1) * group - h0);
                 const int64_t end = pos[m] + 1, start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-                attend_heads(QKV + m * row + h0 * head_dim, H, head_dim, start, end, shift, scale,
-                             [&](int64_t j) -> const T* { return Kc + at(m, kh, j); },
-                             [&](int64_t j) -> const T* { return Vc + at(m, kh, j); }, p.data(), max_ctx,
-                             A + m * q_dim + h0 * head_dim);
+                const int64_t split = tree.base(m);
+                if (split > pos[m])  // every row in place
+                    attend_heads(QKV + m * row + h0 * head_dim, H, head_dim, start, end, shift, scale,
+                                 [&](int64_t j) -> const T* { return Kc + at(m, kh, j); },
+                                 [&](int64_t j) -> const T* { return Vc + at(m, kh, j); }, p.data(), max_ctx,
+                                 A + m * q_dim + h0 * head_dim);
+                else
+                    attend_heads(QKV + m * row + h0 * head_dim, H, head_dim, start, end, shift, scale,
+                                 [&](int64_t j) -> const T* { return Kc + at(m, kh, tree.place(m, j)); },
+                                 [&](int64_t j) -> const T* { return Vc + at(m, kh, tree.place(m, j)); }, p.data(),
+                                 max_ctx, A + m * q_dim + h0 * head_dim, split);
             }
         });
         L.o(attn.data(), M, tmp.data());
@@ -493,14 +523,14 @@ inline void decode_step_t(const float* x, int64_t M, const int64_t* pos, const i
 inline void decode_step(const float* x, int64_t M, const int64_t* pos, const int64_t* slot, const Tables& tables,
                         const float* C, const float* S, const std::vector<Layer>& layers, const float* final_norm,
                         const Linear& head, const Dims& dims, const int64_t* out, int64_t n_out, float* logits,
-                        const Rope& rope = Rope{}) {
+                        const Rope& rope = Rope{}, const Tree& tree = Tree{}) {
     switch (dims.kv_type) {
         case KVType::f32:
-            return decode_step_t<float>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope);
+            return decode_step_t<float>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope, tree);
         case KVType::bf16:
-            return decode_step_t<Bf16>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope);
+            return decode_step_t<Bf16>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope, tree);
         case KVType::i8:
-            return decode_step_t<int8_t>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope);
+            return decode_step_t<int8_t>(x, M, pos, slot, tables, C, S, layers, final_norm, head, dims, out, n_out, logits, rope, tree);
     }
 }
 

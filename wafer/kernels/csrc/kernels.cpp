@@ -188,10 +188,11 @@ class Model {
     // windowed layers have pools and tables of their own). Returns logits [len(logit_rows), vocab]
     // for those rows of x (none when it is empty: a prompt chunk before the last). Without a head (a
     // pipeline stage before the last) it returns every row's hidden state [M, hidden] after the
-    // layers, for the next stage.
+    // layers, for the next stage. tree [M, width] int64 (empty: none): draft trees' rows (decode.h's
+    // Tree): token m's positions from tree[m][0] up to its own lie at tree[m][1...].
     torch::Tensor step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor cos,
                        torch::Tensor sin, torch::Tensor cos_local, torch::Tensor sin_local, torch::Tensor rope_rows,
-                       torch::Tensor tables, torch::Tensor logit_rows) const {
+                       torch::Tensor tables, torch::Tensor logit_rows, torch::Tensor tree) const {
         TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == hidden_, "x: [M, hidden] float32");
         TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
                     positions.numel() == x.size(0) && slots.numel() == x.size(0), "positions, slots: [M] int64");
@@ -223,16 +224,31 @@ class Model {
             const int64_t* r = rope_rows.data_ptr<int64_t>();
             for (int64_t m = 0; m < x.size(0); ++m) TORCH_CHECK(r[m] >= 0 && r[m] < cos.size(0), "rope_rows: a row of cos");
         }
+        wafer::Tree remap;
+        if (tree.numel() > 0) {
+            TORCH_CHECK(tree.scalar_type() == torch::kInt64 && tree.dim() == 2 && tree.size(0) == x.size(0) &&
+                        tree.size(1) >= 1, "tree: [M, width] int64");
+            tree = tree.contiguous();
+            remap = wafer::Tree{tree.data_ptr<int64_t>(), tree.size(1)};
+        }
         {  // every block a token writes or reads must lie in the pools
             const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
             const int64_t* t = tables.data_ptr<int64_t>();
             for (int64_t m = 0; m < x.size(0); ++m) {
                 TORCH_CHECK(slot[m] >= 0 && slot[m] < n_slots && pos[m] >= 0 && (own_rows || pos[m] < cos.size(0)) &&
                             pos[m] / block_ < stride, "a token's slot or position lies outside the tables");
+                int64_t reach = pos[m];  // the furthest position it reads or writes
+                if (remap.rows != nullptr && remap.base(m) <= pos[m]) {
+                    TORCH_CHECK(remap.base(m) >= 0 && pos[m] - remap.base(m) + 1 < remap.width, "tree: a row shorter than its path");
+                    for (int64_t p = remap.base(m); p <= pos[m]; ++p) {
+                        TORCH_CHECK(remap.place(m, p) >= 0 && remap.place(m, p) / block_ < stride, "tree: a position outside the tables");
+                        reach = std::max(reach, remap.place(m, p));
+                    }
+                }
                 for (int64_t g = 0; g < static_cast<int64_t>(n_blocks_.size()); ++g) {
                     if (n_blocks_[g] == 0) continue;  // a group with none of this stage's layers
                     const int64_t* r = t + (g * n_slots + slot[m]) * stride;
-                    for (int64_t i = 0; i <= pos[m] / block_; ++i)
+                    for (int64_t i = 0; i <= reach / block_; ++i)
                         TORCH_CHECK(r[i] >= 0 && r[i] < n_blocks_[g], "a table names a block outside the pools");
                 }
             }
@@ -254,7 +270,7 @@ class Model {
         wafer::decode_step(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                            wafer::Tables{tables.data_ptr<int64_t>(), stride, block_, n_blocks_[groups_[0]]},
                            cos.data_ptr<float>(), sin.data_ptr<float>(), ls, norm_, head_, dims_, rows,
-                           logit_rows.numel(), logits.data_ptr<float>(), rope);
+                           logit_rows.numel(), logits.data_ptr<float>(), rope, remap);
         return logits;
     }
 

@@ -95,6 +95,8 @@ class ChatHandler(ReasonedChat):
 
     def _grammar(self, req: ChatCompletionRequest, tools: list[dict[str, Any]],
                  choice: str | dict[str, Any]) -> str | None:
+        if tools and not self.m.tool_grammar:
+            return None
         if tools:
             special = self.m.engine.is_special(OPEN)
             grammar, param = tool_grammar(tools, choice, req.parallel_tool_calls, special), "tools"

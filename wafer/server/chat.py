@@ -101,12 +101,13 @@ class ChatHandler(ReasonedChat):
             special = self.m.engine.is_special(OPEN)
             grammar, param = tool_grammar(tools, choice, req.parallel_tool_calls, special), "tools"
         elif req.response_format is not None and req.response_format.type != "text":
-            schema = None
+            schema, strict = None, False
             param = "response_format"
             if req.response_format.type == "json_schema":
                 param = "response_format.json_schema.schema"
                 schema = check_schema(req.response_format.json_schema.schema_, param)
-            grammar = json_grammar(schema)
+                strict = bool(req.response_format.json_schema.strict)
+            grammar = json_grammar(schema, strict)
         else:
             return None
         try:

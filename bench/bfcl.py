@@ -212,15 +212,16 @@ def wafer_scores(tier: str, grammar: bool, categories: list[str], limit: int | N
 
 
 def llama_server_scores(tier: str, categories: list[str], limit: int | None, bfcl: tuple,
-                        verbose: bool) -> dict[str, Score]:
+                        verbose: bool) -> dict[str, Score] | None:
     import openai
 
     from bench.build_llama_server import binary
     from tests.serving import free_port, wait_healthy
     from wafer.models import catalog
 
-    if not binary().exists():
-        sys.exit(f"{binary()} is not built: python bench/build_llama_server.py")
+    if not binary().exists():  # the rest of the table is still worth printing
+        print(f"llama-server {tier}: skipped, {binary()} is not built (python bench/build_llama_server.py)")
+        return None
     gguf = catalog.installed_path(catalog.find(tier))
     port = free_port()
     # --jinja: the GGUF's own chat template and llama.cpp's tool-call handling for it (Hermes/Qwen
@@ -297,7 +298,9 @@ def main() -> None:
             for grammar in grammars:
                 results[label(tier, grammar)] = wafer_scores(tier, grammar, categories, a.limit, bfcl, a.verbose)
         for tier in [t for t in a.llama_server.split(",") if t]:
-            results[f"llama-server {tier}"] = llama_server_scores(tier, categories, a.limit, bfcl, a.verbose)
+            scores = llama_server_scores(tier, categories, a.limit, bfcl, a.verbose)
+            if scores is not None:
+                results[f"llama-server {tier}"] = scores
     print(f"\nBFCL v4 (bfcl-eval 2026.3.23), {a.limit or 'all'} cases a category, greedy, tool_choice auto, "
           f"max_tokens {MAX_TOKENS}")
     report(results, categories, a.failures)

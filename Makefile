@@ -71,7 +71,22 @@ $(LLAMA_STAMP): $(STAMP) bench/build_llama_cpp.py
 	if grep -qw avx2 /proc/cpuinfo; then $(BIN)/python bench/build_llama_cpp.py --isa avx2; fi
 	touch $(LLAMA_STAMP)
 
-bench: $(STAMP) $(LLAMA_STAMP)
+# bench/bfcl.py's cases and judge: bfcl-eval's data and AST checker, without its dependencies (they would
+# replace pinned numpy, networkx and filelock, and bring a dozen vendors' SDKs the checker never uses),
+# in a folder of its own that only the bench puts on its path.
+BFCL_EVAL := bfcl-eval==2026.3.23
+BFCL_STAMP := $(VENV)/.bfcl
+$(BFCL_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/bfcl $(BFCL_EVAL)
+	touch $(BFCL_STAMP)
+
+# llama.cpp's llama-server, bench/bfcl.py's baseline, from the sources llama-cpp-python vendors (built once).
+LLAMA_SERVER_STAMP := $(VENV)/.llama_server
+$(LLAMA_SERVER_STAMP): $(STAMP) bench/build_llama_server.py
+	$(BIN)/python bench/build_llama_server.py
+	touch $(LLAMA_SERVER_STAMP)
+
+bench: $(STAMP) $(LLAMA_STAMP) $(BFCL_STAMP) $(LLAMA_SERVER_STAMP)
 	$(BIN)/python bench/tiers.py
 	$(BIN)/python bench/kernel_roofline.py
 	$(BIN)/python bench/load.py
@@ -89,6 +104,7 @@ bench: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python bench/prefix_cache.py
 	$(BIN)/python bench/server_decode.py
 	$(BIN)/python bench/step_parts.py
+	$(BIN)/python bench/bfcl.py --limit 20
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from wafer.config import (
     DEVICES,
     KV_CACHE_DTYPES,
+    NO_TOOL_CALLS,
+    ROUTING_TIERS,
     SPECULATIVE_LENGTHS,
     TIERS,
     CacheSettings,
@@ -248,6 +250,10 @@ def cmd_models(args: argparse.Namespace) -> int:
         for i, line in enumerate(textwrap.wrap(m.source, 80 - 11)):
             print(f"  {'source' if i == 0 else '':<8} {line}")
         print(f"  license  {m.license}: {m.license_file}")
+        if not m.calls_tools:
+            print("  tools    does not call them on its own")
+            if m.tier in NO_TOOL_CALLS:
+                print(f"           {m.tier}'s tool_choice auto requests with tools go to {ROUTING_TIERS['tool_calls']}")
     return 1 if failed else 0
 
 

@@ -257,3 +257,16 @@ def test_a_row_that_allows_no_token_fails_rather_than_picks_one():
     else:
         raise AssertionError("a row of -inf logits gave a token")
     assert Sampler(0)(logits[1:], seqs[1:])[0] == [3]
+
+
+def test_no_repetition_penalty_inside_the_json_a_grammar_holds():
+    """A call's arguments copy the prompt (a city, a code the user gave): inside the JSON of a tool
+    call or a `response_format` reply the repetition penalty is not applied; outside it, it is."""
+    from types import SimpleNamespace
+
+    logits = torch.tensor([2.0, 2.0, -2.0, 1.0])
+    s = seq(SamplingParams(repetition_penalty=2.0), prompt=[3], out=[0, 2])
+    s.matcher = SimpleNamespace(in_json=lambda: True)
+    assert apply_penalties(logits.clone(), s).tolist() == logits.tolist()
+    s.matcher = SimpleNamespace(in_json=lambda: False)
+    assert apply_penalties(logits.clone(), s).tolist() == [1.0, 2.0, -4.0, 0.5]

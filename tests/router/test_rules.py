@@ -77,3 +77,32 @@ def test_sequence_words_in_order():
     assert not _in_sequence("then first, finally")  # out of order
     assert not _in_sequence("first, finally then")
     assert not _in_sequence("firstly thence finally")  # whole words only
+
+
+@pytest.mark.parametrize("name,body,tier,rule", [
+    ("luna", {"messages": user("Where is parcel ZX-4411?"), "tools": TOOLS}, "terra", "tool_calls"),
+    ("luna", {"messages": user("Where?"), "tools": TOOLS, "tool_choice": "auto"}, "terra", "tool_calls"),
+    ("gpt-5.6-luna", {"messages": user("Where?"), "tools": TOOLS}, "terra", "tool_calls"),
+    ("auto", {"messages": user("Where?"), "tools": TOOLS, "reasoning_effort": "low"}, "terra", "tool_calls"),
+    # The grammar forces these, which any model follows; no tools, nothing to call.
+    ("luna", {"messages": user("Where?"), "tools": TOOLS, "tool_choice": "required"}, "luna", "tier"),
+    ("luna", {"messages": user("Where?"), "tools": TOOLS, "tool_choice": "none"}, "luna", "tier"),
+    ("luna", {"messages": user("Where?")}, "luna", "tier"),
+    ("terra", {"messages": user("Where?"), "tools": TOOLS}, "terra", "tier"),
+])
+def test_a_tier_that_does_not_call_tools_sends_tool_requests_on(name, body, tier, rule):
+    """luna's model answers in prose or code where a tool is due: a request for it that leaves the
+    call to the model goes to the `tool_calls` rule's tier (configurable, as the tiers that do not
+    call tools are)."""
+    from wafer.router.config import ServeConfig
+    from wafer.router.router import Router
+
+    cfg = ServeConfig(models={}, upstreams={}, tiers={"sol": ["S"], "terra": ["T"], "luna": ["L"]}, aliases={},
+                      routing=RoutingConfig())
+    d = Router(cfg, lambda body: 10).resolve(name, body)
+    assert (d.tier, d.rule, d.targets) == (tier, rule, cfg.tiers[tier])
+    cfg.routing.tiers = {**cfg.routing.tiers, "tool_calls": "sol"}
+    if rule == "tool_calls":
+        assert Router(cfg, lambda body: 10).resolve(name, body).targets == ["S"]
+    cfg.routing.no_tool_calls = []
+    assert Router(cfg, lambda body: 10).resolve(name, body).rule != "tool_calls"

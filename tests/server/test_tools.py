@@ -333,3 +333,53 @@ def test_a_schema_too_costly_to_follow_ends_alone_with_a_400_its_neighbours_unaf
     for name in ("wafer:grammar_mask_seconds", "wafer:grammar_mask_cpu_seconds"):
         counts = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + "_count{")]
         assert counts and sum(counts) > 0, name
+
+
+def test_calls_as_the_model_lays_them_out_and_the_end_after_them(server):
+    """The grammar takes a call's arguments as the model writes them (`{"city": "Paris"}`, spaced, or
+    on indented lines in a ```json block), and lets the reply end after the newline that follows its
+    last call, rather than holding it to another call."""
+    from wafer.server.tools import tool_grammar
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"]}}}]
+    replies = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n',
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>\n',
+               '```json\n{\n    "name": "get_weather",\n    "arguments": {\n        "city": "Paris"\n    }\n}\n```\n']
+    tok = server.served.tokenizer
+    for choice in ("auto", "required"):
+        for text in replies:
+            m = server.engine.constraints.matcher(tool_grammar(tools, choice, True))
+            ids = tok.encode(text, add_special_tokens=False)
+            assert m.validate_tokens(ids) == len(ids), (choice, text)
+            m.consume_tokens(ids)
+            assert m.is_accepting(), (choice, text)
+    bad = tok.encode('{"name": "get_weather", "arguments": {"city": "Paris", "when": "now"}}', add_special_tokens=False)
+    m = server.engine.constraints.matcher(tool_grammar(tools, "auto", True))
+    assert m.validate_tokens(bad) < len(bad)  # still closed to the schema's keys
+
+
+def test_strict_closes_every_object(server):
+    """`strict: true`, in `response_format` or on a tool, holds every object to its listed keys, as
+    OpenAI's strict mode does, even one that says `additionalProperties: true` or says nothing
+    (pydantic's schemas don't)."""
+    from wafer.server.tools import closed, json_grammar, tool_grammar
+
+    schema = {"type": "object", "properties": {"country": {"type": "string"}, "info": {
+        "type": "object", "properties": {"capital": {"type": "string"}}, "additionalProperties": True}},
+        "required": ["country"]}
+    assert closed(schema, strict=True)["additionalProperties"] is False
+    assert closed(schema, strict=True)["properties"]["info"]["additionalProperties"] is False
+    assert closed(schema)["properties"]["info"]["additionalProperties"] is True  # said so, without strict
+    tok, constraints = server.served.tokenizer, server.engine.constraints
+    extra = tok.encode('{"country":"India","capital_city":"Delhi"}', add_special_tokens=False)
+    nested = tok.encode('{"country":"India","info":{"capital":"Delhi","size":3}}', add_special_tokens=False)
+    assert constraints.matcher(json_grammar(schema)).validate_tokens(extra) == len(extra)  # open without strict
+    for text in (extra, nested):
+        assert constraints.matcher(json_grammar(schema, strict=True)).validate_tokens(text) < len(text)
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}
+    call = tok.encode('{"name": "f", "arguments": {"country": "India", "info": {"capital": "Delhi", "size": 3}}}',
+                      add_special_tokens=False)
+    assert constraints.matcher(tool_grammar([tool], "required", False)).validate_tokens(call) < len(call)

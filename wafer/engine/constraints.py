@@ -269,6 +269,11 @@ class GrammarMatcher:
         if self._stale:
             self._completion, self._stale = self._complete(), False
 
+    def in_json(self) -> bool:
+        """Whether the output stands inside the JSON the grammar holds (a call, a `response_format`
+        reply): there the sampler copies values from the prompt without a repetition penalty."""
+        return self.scan.in_json
+
     def consume_token(self, token: int) -> bool:
         ok = self.inner.consume_token(token)
         if self.scan.feed(self.constraints.token_bytes(token)):

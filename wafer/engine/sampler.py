@@ -13,9 +13,11 @@ from wafer.kernels.build import kernels
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """Repetition (over prompt and output, as vLLM and HF do), presence and frequency (over
-    output, as OpenAI defines them) penalties and logit bias, on one row."""
+    output, as OpenAI defines them) penalties and logit bias, on one row. No repetition penalty
+    inside a tool call's or `response_format`'s JSON: its values are copied from the prompt (a city,
+    a code the user gave), which the penalty would push the model off."""
     p = seq.params
-    if p.repetition_penalty != 1.0:
+    if p.repetition_penalty != 1.0 and not (seq.matcher is not None and seq.matcher.in_json()):
         if seq.seen is None:
             seq.seen = SeenTokens()
         ids = seq.seen.of(seq.tokens)

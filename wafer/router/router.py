@@ -38,17 +38,32 @@ class Router:
         c = self.config
         if name in ROUTER_NAMES:
             route = choose(body, self.count_tokens(body), c.routing)
-            return Decision(c.tiers[route.tier], route.tier, route.rule)
+            return self._tier(route.tier, route.rule, body)
         if name in TIERS:
-            return Decision(c.tiers[name], name, "tier")
+            return self._tier(name, "tier", body)
         if name in TIER_ALIASES:
-            tier = TIER_ALIASES[name]
-            return Decision(c.tiers[tier], tier, "tier")
+            return self._tier(TIER_ALIASES[name], "tier", body)
         if name in c.aliases:
             target = c.aliases[name]
             if target in TIERS:
-                return Decision(c.tiers[target], target, "alias")
+                return self._tier(target, "alias", body)
             return Decision([target], None, "alias")
         if name in c.models or name in c.upstreams:
             return Decision([name], None, "model")
         raise UnknownModel(name)
+
+    def _tier(self, tier: str, rule: str, body: dict[str, Any]) -> Decision:
+        """The tier's targets; but a request that needs a tool call the tier's model does not make on
+        its own (tools offered, the choice left to the model) goes to the `tool_calls` rule's tier."""
+        c = self.config
+        if tier in c.routing.no_tool_calls and wants_tool_calls(body):
+            to = c.routing.tiers["tool_calls"]
+            if to != tier:
+                return Decision(c.tiers[to], to, "tool_calls")
+        return Decision(c.tiers[tier], tier, rule)
+
+
+def wants_tool_calls(body: dict[str, Any]) -> bool:
+    """Tools offered and `tool_choice` auto (or left out, which is auto): the model must decide to
+    call. `required` or a named function is forced by the grammar, which any model follows."""
+    return bool(body.get("tools")) and body.get("tool_choice", "auto") in ("auto", None)

@@ -95,16 +95,19 @@ class ChatHandler(ReasonedChat):
 
     def _grammar(self, req: ChatCompletionRequest, tools: list[dict[str, Any]],
                  choice: str | dict[str, Any]) -> str | None:
+        if tools and not self.m.tool_grammar:
+            return None
         if tools:
             special = self.m.engine.is_special(OPEN)
             grammar, param = tool_grammar(tools, choice, req.parallel_tool_calls, special), "tools"
         elif req.response_format is not None and req.response_format.type != "text":
-            schema = None
+            schema, strict = None, False
             param = "response_format"
             if req.response_format.type == "json_schema":
                 param = "response_format.json_schema.schema"
                 schema = check_schema(req.response_format.json_schema.schema_, param)
-            grammar = json_grammar(schema)
+                strict = bool(req.response_format.json_schema.strict)
+            grammar = json_grammar(schema, strict)
         else:
             return None
         try:

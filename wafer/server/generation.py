@@ -145,6 +145,9 @@ class ServedModel:
     compute: dict[str, str | None] = field(default_factory=dict)
     # reasoning tokens per reasoning_effort level (wafer.toml's [reasoning])
     reasoning: dict[str, int] = field(default_factory=lambda: dict(REASONING_BUDGETS))
+    # tool calls generated under their grammar; off (bench/bfcl.py's comparison), the calls are the
+    # model's own text, parsed
+    tool_grammar: bool = True
 
 
 @dataclass

@@ -29,8 +29,14 @@ from wafer.server.errors import bad_request
 
 OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
 log = logging.getLogger("wafer.tools")
-# Compact separators make the generated JSON's layout fixed, which the streaming parser relies on.
+# Compact separators for `response_format` JSON: a small model given free whitespace tends to spend
+# its tokens on it.
 _COMPACT = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+# A call's arguments are laid out as the model writes them (`{"city": "Paris"}`, or on indented
+# lines in a ```json block, as Qwen2.5-Coder's small models do): a grammar that allowed only the
+# compact form would turn each `": "` the model means into tokens it never saw there. Bounded, so that
+# whitespace cannot run on.
+_AS_WRITTEN = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n]{1,24}"}
 # How a bare call opens: `{"name": "`, spaced or laid out on lines, maybe in a ```json block.
 _WS = r"[ \n]{0,8}"
 _HEAD = rf'{_WS}\{{{_WS}"name"{_WS}:{_WS}"'
@@ -79,29 +85,34 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
     return schema
 
 
-def closed(schema: Any) -> Any:
+def closed(schema: Any, strict: bool = False) -> Any:
     """The schema with every object that does not say `additionalProperties` closed to the keys it
-    lists, as OpenAI's strict schemas and xgrammar's strict mode read them: a small model otherwise
-    invents keys. Branches of `allOf` stay open, since each lists only part of the keys."""
+    lists, as xgrammar's strict mode reads them: a small model otherwise invents keys. Branches of
+    `allOf` stay open, since each lists only part of the keys. `strict` (a request's `strict: true`):
+    every object is closed whatever it says, as OpenAI's strict mode holds every object to
+    `additionalProperties: false`, `allOf` included (its keys are then those the object lists)."""
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [closed(s, strict) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-            out[key] = {k: closed(v) for k, v in value.items()} if isinstance(value, dict) else value
+            out[key] = {k: closed(v, strict) for k, v in value.items()} if isinstance(value, dict) else value
         elif key in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties", "not", "if", "then",
                      "else", "contains", "additionalItems", "unevaluatedItems"):
-            out[key] = closed(value)
+            out[key] = closed(value, strict)
         elif key == "allOf" and isinstance(value, list):
-            out[key] = [{k: closed(v) if k != "additionalProperties" else v for k, v in s.items()}
+            out[key] = [{k: closed(v, strict) if k != "additionalProperties" else v for k, v in s.items()}
                         if isinstance(s, dict) else s for s in value]
         else:
             out[key] = value
     is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
         or "properties" in out
-    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out and "allOf" not in out:
+    if is_object and strict:
+        out["additionalProperties"] = False
+        out.pop("unevaluatedProperties", None)
+    elif is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out and "allOf" not in out:
         out["additionalProperties"] = False
     return out
 
@@ -124,8 +135,8 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], para
         choice, parallel = "required", False
     lark = ["%llguidance {}"]
     for i, t in enumerate(tools):
-        args = closed(t["function"].get("parameters") or {"type": "object"})
-        args = {**args, "x-guidance": {**_COMPACT, **args.get("x-guidance", {})}}
+        args = closed(t["function"].get("parameters") or {"type": "object"}, bool(t["function"].get("strict")))
+        args = {**args, "x-guidance": {**_AS_WRITTEN, **args.get("x-guidance", {})}}
         lark += [
             f'tail_{i}: {_lit(t["function"]["name"] + chr(34))} WS? "," WS? "\\"arguments\\"" WS? ":" WS? '
             f'args_{i} WS? "}}"',
@@ -142,8 +153,10 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], para
         'bare: bare_lead tail | fenced_lead tail WS? "```"',
         r"WS: /[ \n]{1,8}/",
     ]
-    many = " more*" if parallel else ""
-    bares = "bare+" if parallel else "bare"
+    # A reply may end with blanks after its last call, as the model closes it (`</tool_call>\n`):
+    # without them, the newline would leave the grammar waiting for another call, never the end.
+    many = " more* WS?" if parallel else " WS?"
+    bares = "bare+ WS?" if parallel else "bare WS?"
     if choice == "auto":
         text = f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{OPEN}(.|\\n)*/ & {_NOT_BARE}"
         if special_tags:  # a special token ends any text before it
@@ -155,9 +168,12 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], para
     return LLMatcher.grammar_from_lark("\n".join(lark))
 
 
-def json_grammar(schema: dict[str, Any] | None) -> str:
-    """Grammar for `response_format`: any JSON object, or one matching the schema."""
+def json_grammar(schema: dict[str, Any] | None, strict: bool = False) -> str:
+    """Grammar for `response_format`: any JSON object, or one matching the schema (every object of
+    it closed with `strict`, as OpenAI's strict mode)."""
     schema = schema if schema is not None else {"type": "object"}
+    if strict:
+        schema = closed(schema, strict=True)
     # Compact JSON: a small model given free whitespace tends to spend its tokens on it.
     return LLMatcher.grammar_from_json_schema({**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}})
 

@@ -68,3 +68,17 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+
+def draft_of(spec: str | None) -> str | None:
+    """The draft model a spelling names (`draft:MODEL`, alone or among others), if any."""
+    for part in (spec or "").split(","):
+        if part.strip().startswith("draft:"):
+            return part.strip()[len("draft:"):] or None
+    return None
+
+
+def without_draft(spec: str | None) -> str:
+    """The spelling with its draft model left out: `off` where nothing else was on."""
+    return ",".join(p.strip() for p in (spec or "").split(",") if p.strip() and not p.strip().startswith("draft:")) \
+        or "off"

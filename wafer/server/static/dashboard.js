@@ -124,6 +124,24 @@ async function tick() {
         return row;
       }));
     }
+    const sp = d.speculation;
+    if (sp && sp.drafts) {
+      document.getElementById("spec").textContent = sp.drafts + " drafts in " + sp.steps + " decoding steps (" +
+        (100 * sp.drafts / Math.max(1, sp.steps)).toFixed(0) + "% drafted), " +
+        (sp.accepted_tokens / sp.drafts).toFixed(2) + " tokens kept per drafted step";
+      const body = document.querySelector("#spec_methods tbody");
+      body.replaceChildren(...Object.keys(sp.methods).sort().map((m) => {
+        const row = document.createElement("tr");
+        const a = sp.methods[m];
+        [m, a.drafts, a.draft_tokens, a.accepted_tokens, (a.accepted_tokens / Math.max(1, a.drafts)).toFixed(2),
+         (100 * a.accepted_tokens / Math.max(1, a.draft_tokens)).toFixed(0) + "%"].forEach((v) => {
+          const cell = document.createElement("td");
+          cell.textContent = v;
+          row.appendChild(cell);
+        });
+        return row;
+      }));
+    }
     push("tps", [tps]); push("ttft", [d.ttft_p50, d.ttft_p95]); push("e2e", [d.e2e_p50, d.e2e_p95]);
     push("rw", [d.running, d.waiting]); push("kv", [100 * d.kv_cache_usage]); push("err", [errors]);
     Object.keys(series).forEach(draw);

@@ -190,6 +190,8 @@ def speculate(context: list[int], live: LiveIndex | None, stored: PairIndex | No
     best = Candidate()
     for m in sorted({o[2] for o in occs}, reverse=True):
         limit = min(k, int(m * p.spec_factor + p.spec_offset + 1e-6))
+        if limit <= best.score:  # no draft of this length can score more (each token at most 1)
+            break
         chosen = [o for o in occs if o[2] >= m]
         cand = _tree(chosen, limit, p.min_prob) if tree else _path(chosen, limit, p.min_prob)
         if cand.score > best.score:

@@ -82,6 +82,13 @@ def test_metrics_count_drafts_by_proposer_and_tokens_kept_per_step(spec_server):
     page = httpx.get(spec_server.base_url + "/dashboard").text
     assert 'id="spec_methods"' in page
 
+    # A tenant's key: the same greedy text; a key that is not a string is the client's error.
+    keyed = client.chat.completions.create(**kw, extra_body={"prompt_cache_key": "tenant-a"})
+    assert keyed.choices[0].message.content == first.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"prompt_cache_key": 5})
+    assert e.value.status_code == 400 and e.value.body["param"] == "prompt_cache_key"
+
 
 def test_bench_reads_the_acceptance_length_from_metrics(spec_server, server):
     from wafer.benchmark.client import acceptance_length, spec_counters

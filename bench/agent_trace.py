@@ -316,7 +316,7 @@ def main() -> None:
             record(tier)
         return
     streams = [int(s) for s in args.streams.split(",")]
-    print(f"agent traces, greedy, K={K} (adaptive lengths), --max-running 16; streams {streams}")
+    print(f"agent traces, greedy, K={K} (adaptive lengths), --max-running 16; streams {streams}", flush=True)
     for tier in tiers:
         trace = json.loads((TRACES / f"{tier}.json").read_text())
         turns = trace["turns"]
@@ -333,7 +333,10 @@ def main() -> None:
             try:
                 request(server, tier, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, "warm")
                 for s in streams:
-                    results[(method, s)] = replay(server, tier, turns, s, f"{method}-{s}", cap)
+                    p = results[(method, s)] = replay(server, tier, turns, s, f"{method}-{s}", cap)
+                    print(f"  {tier} {method} x{s}: {p.tokens} tokens, {p.per_stream:.1f} tok/s/stream, "
+                          f"{p.aggregate:.1f} aggregate, {int(p.accepted)} kept in {int(p.drafts)} drafts, "
+                          f"{int(p.steps)} steps, replies as recorded: {not p.mismatches}", flush=True)
             finally:
                 server.stop()
         rows = []
@@ -347,7 +350,7 @@ def main() -> None:
         print(f"\n{tier}: {len(turns)} turns, {sum(len(t['output']) for t in turns)} characters of recorded output"
               + (f", replies cut to {cap} tokens" if cap else ""))
         print(table(["method", "streams", "tok/s/stream", "vs plain", "aggregate tok/s", "vs plain",
-                     "kept/drafted step", "steps drafted", "= recorded"], rows))
+                     "kept/drafted step", "steps drafted", "= recorded"], rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -453,9 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
     _quant_arg(s)
     s.add_argument("--config", default=None, help="TOML file with models, tiers, aliases, upstreams and routing")
-    s.add_argument("--speculative", default=SpeculationSettings.speculative, metavar="off|ngram|draft:MODEL",
-                   help="speculative decoding: n-gram prompt lookup, or a draft model (a path, or a model or tier "
-                        "of --config) with the same tokenizer")
+    s.add_argument("--speculative", default=SpeculationSettings.speculative,
+                   metavar="off|ngram|suffix|draft:MODEL|auto",
+                   help="speculative decoding: n-gram prompt lookup, suffix drafts (the request's own text and "
+                        "earlier outputs, by frequency), a draft model (a path, or a model or tier of --config) "
+                        "with the same tokenizer, or several joined by commas (auto: ngram,suffix; e.g. "
+                        "auto,draft:terra), the engine picking per sequence and step")
     s.add_argument("--num-speculative-tokens", type=int, default=SpeculationSettings.num_speculative_tokens,
                    help="K, the most tokens proposed a step")
     s.add_argument("--speculative-length", choices=SPECULATIVE_LENGTHS, default=SpeculationSettings.speculative_length,

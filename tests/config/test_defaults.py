@@ -26,7 +26,8 @@ from wafer.server.main import build_served, engine_settings, prefill_step
 ROOT = Path(wafer.__file__).parent
 DEFAULTS = {f.name: f.default for cls in SETTINGS for f in fields(cls)}
 # The engine's own limits on n-gram lookup, which neither the CLI nor wafer.toml sets.
-NOT_FLAGS = {"ngram_max", "ngram_min", "speculate_max_running"}
+NOT_FLAGS = {"ngram_max", "ngram_min", "speculate_max_running", "suffix_max_depth", "suffix_min_prob",
+             "suffix_cache_tokens", "suffix_tree"}
 # What a setting is called where the engine or a function takes it under another name.
 OTHER_NAMES = {"num_tokens": "num_speculative_tokens", "length": "speculative_length", "compute": "quant",
                "ngram_max": "ngram_max", "ngram_min": "ngram_min"}

@@ -64,7 +64,7 @@ tiers = { code = "sol" }
     ("[upstreams.u]\nmodel = 'x'", "base_url"),
     ("[upstreams.u]\nbase_url = 'http://x/v1'\nwafer = 'yes'", "wafer is true or false"),
     ("this is = not toml [", "invalid TOML"),
-    ("[models.a]\nspeculative = 'eagle'", "expected off, ngram or draft:MODEL"),
+    ("[models.a]\nspeculative = 'eagle'", "expected off, ngram, suffix, draft:MODEL or auto"),
     ("[models.a]\nspeculative = 'ngram'\nnum_speculative_tokens = 0", "at least 1"),
     ("[models.a]\nspeculative = 'ngram'\nspeculative_length = 'sometimes'", "expected adaptive or fixed"),
     ("[models.a]\nspeculative = 'draft:luna'\n[upstreams.u]\nbase_url = 'http://x/v1'\n[tiers]\nluna = 'u'",

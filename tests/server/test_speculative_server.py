@@ -1,11 +1,13 @@
-"""Speculative decoding through the server: the SDK sees the same greedy text, streamed or not,
-and /metrics carries vLLM's speculative counters."""
+"""Speculative decoding through the server (n-gram and suffix drafts, `auto`): the SDK sees the same
+greedy text, streamed or not, /metrics carries vLLM's speculative counters and wafer's by proposer
+and per step, and the dashboard's data the same."""
 
 from __future__ import annotations
 
 import inspect
 import textwrap
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -17,7 +19,7 @@ from wafer.engine.speculative.config import SpeculativeConfig
 
 @pytest.fixture(scope="module")
 def spec_server(smollm):
-    s = start_server(smollm, max_running=4, engine_kw={"speculative": SpeculativeConfig.parse("ngram", 6, "fixed")})
+    s = start_server(smollm, max_running=4, engine_kw={"speculative": SpeculativeConfig.parse("auto", 6, "fixed")})
     yield s
     s.stop()
 
@@ -45,6 +47,47 @@ def test_same_text_as_plain_server_and_counters(spec_server, server):
     assert m["wafer:spec_decode_num_draft_tokens_total" + key] == st.draft_tokens
     assert m["wafer:spec_decode_mean_acceptance_length" + key] == pytest.approx(1 + st.accepted_tokens / st.drafts)
     assert m["wafer:spec_decode_num_accepted_tokens_per_pos_total{model_name=" + MODEL + ",position=0}"] > 0
+
+
+def test_metrics_count_drafts_by_proposer_and_tokens_kept_per_step(spec_server):
+    client = OpenAI(base_url=spec_server.base_url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model=MODEL, temperature=0, max_tokens=40,
+              messages=[{"role": "user", "content": "List the days of the week, then list them again in reverse."}])
+    first = client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)  # drafted from the first's output too (suffix)
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    m = scrape(spec_server)
+    st = spec_server.engine.stats.spec
+    one = "{model_name=" + MODEL + "}"
+
+    def by(metric: str, method: str) -> float:
+        return m.get(f"wafer:spec_decode_method_{metric}_total{{method={method},model_name={MODEL}}}", 0.0)
+
+    assert by("num_drafts", "suffix") > 0 and by("num_drafts", "suffix") + by("num_drafts", "ngram") == st.drafts
+    for method in ("ngram", "suffix"):
+        kept = st.by_method[method].accepted_tokens if method in st.by_method else 0
+        assert by("num_accepted_tokens", method) == kept
+    assert m["wafer:spec_decode_num_steps_total" + one] == st.decode_steps >= st.drafts
+    # The histogram of tokens kept per verifying step: cumulative buckets, its count the drafts, its sum the tokens.
+    assert m["wafer:spec_decode_accepted_tokens_per_step_count" + one] == st.drafts
+    assert m["wafer:spec_decode_accepted_tokens_per_step_sum" + one] == st.accepted_tokens
+    buckets = {k: v for k, v in m.items() if k.startswith("wafer:spec_decode_accepted_tokens_per_step_bucket")}
+    assert buckets[f"wafer:spec_decode_accepted_tokens_per_step_bucket{{le=0,model_name={MODEL}}}"] == \
+        st.accepted_hist[0]
+    assert buckets[f"wafer:spec_decode_accepted_tokens_per_step_bucket{{le=+Inf,model_name={MODEL}}}"] == st.drafts
+    data = httpx.get(spec_server.base_url + "/dashboard/data").json()["speculation"]
+    assert data["drafts"] == st.drafts and data["steps"] == st.decode_steps
+    assert data["methods"]["suffix"]["accepted_tokens"] == st.by_method["suffix"].accepted_tokens > 0
+    page = httpx.get(spec_server.base_url + "/dashboard").text
+    assert 'id="spec_methods"' in page
+
+    # A tenant's key: the same greedy text; a key that is not a string is the client's error.
+    keyed = client.chat.completions.create(**kw, extra_body={"prompt_cache_key": "tenant-a"})
+    assert keyed.choices[0].message.content == first.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"prompt_cache_key": 5})
+    assert e.value.status_code == 400 and e.value.body["param"] == "prompt_cache_key"
 
 
 def test_bench_reads_the_acceptance_length_from_metrics(spec_server, server):

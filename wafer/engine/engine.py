@@ -127,7 +127,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.seq_id, None)
         self.outputs.drop(seq.seq_id)
-        self.speculator.release(seq.seq_id)
+        self.speculator.release(seq.seq_id, seq)
 
     @property
     def has_work(self) -> bool:

@@ -37,6 +37,8 @@ class SamplingParams:
     # Draft by prompt lookup (n-gram) even where the engine does not speculate: for answers that copy
     # their input, as a synthesis of given results does. Costs no model; lossless like any draft.
     prompt_lookup: bool = False
+    # Whose earlier outputs suffix drafts may draw on (a tenant's key); None: the shared store.
+    cache_key: str | None = None
 
     @property
     def greedy(self) -> bool:

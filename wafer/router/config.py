@@ -6,7 +6,8 @@
     device = "cpu"              # auto (default: cuda when there is one), cpu or cuda
     max_running = 16            # engine options: max_running, max_waiting, max_model_len, max_batched_tokens,
     pipeline_parallel = 1       # kv_cache_memory, prefill_step_ms, pipeline_parallel (stage processes of the model)
-    speculative = "ngram"       # off (default), ngram, or draft:NAME (a model of this file, a tier, or a path)
+    speculative = "ngram"       # off (default), ngram, suffix, draft:NAME (a model of this file, a tier, or a path),
+                                # auto (ngram and suffix), or several joined by commas: "auto,draft:terra"
     num_speculative_tokens = 5  # K, the most tokens proposed a step
     speculative_length = "adaptive"  # adaptive (default: up to K, as measured steps pay) or fixed (K)
     prefix_caching = true
@@ -76,7 +77,7 @@ from wafer.config import (
     ServerSettings,
     SpeculationSettings,
 )
-from wafer.engine.speculative.config import SpeculativeConfig
+from wafer.engine.speculative.config import SpeculativeConfig, draft_of, without_draft
 from wafer.errors import WaferError
 from wafer.models.generation_defaults import check as check_sampling
 from wafer.models.quant import PATHS
@@ -112,7 +113,7 @@ class LocalModelConfig:
     options: dict[str, int] = field(default_factory=dict)  # ENGINE_OPTIONS given; the rest take EngineSettings'
     quant: str = LoadSettings.quant  # the compute path
     device: str = LoadSettings.device
-    speculative: str = SpeculationSettings.speculative  # off | ngram | draft:NAME
+    speculative: str = SpeculationSettings.speculative  # off | ngram | suffix | draft:NAME | auto, or a comma list
     num_speculative_tokens: int = SpeculationSettings.num_speculative_tokens
     speculative_length: str = SpeculationSettings.speculative_length
     prefix_caching: bool = CacheSettings.prefix_caching
@@ -232,13 +233,14 @@ def catalog_config(options: dict[str, int], quant: str = LoadSettings.quant, set
     if not installed:
         raise ConfigError("no model of `wafer models` is installed; run `wafer models install`")
     settings = dict(settings or {})
-    draft = catalog.find(str(settings.get("speculative", SpeculationSettings.speculative)).removeprefix("draft:"))
+    spelled = str(settings.get("speculative", SpeculationSettings.speculative))
+    draft = catalog.find(draft_of(spelled) or "")
     models = {}
     for m in installed:
         own = dict(settings)
-        if str(own.get("speculative", SpeculationSettings.speculative)).startswith("draft:") and draft is not None and \
+        if draft_of(spelled) is not None and draft is not None and \
                 catalog.CATALOG.index(m) >= catalog.CATALOG.index(draft):
-            own["speculative"] = "off"  # a draft drafts for the larger tiers, not for itself or smaller ones
+            own["speculative"] = without_draft(spelled)  # a draft drafts for the larger tiers, not for itself or smaller ones
         models[m.name] = LocalModelConfig(m.name, str(catalog.installed_path(m)), dict(options), quant, **own)
     tiers: dict[str, list[str]] = {}
     notes = []

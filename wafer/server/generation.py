@@ -211,6 +211,7 @@ class GenerationHandler:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_lookup=req.prompt_lookup,
+            cache_key=req.prompt_cache_key,
         )
 
     def _encode(self, text: str, param: str, special: bool = True) -> list[int]:

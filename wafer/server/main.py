@@ -27,7 +27,7 @@ from wafer.config import CacheSettings, EngineSettings
 from wafer.engine.async_engine import AsyncEngine, run_engines
 from wafer.engine.config import EngineConfig
 from wafer.engine.engine import LLMEngine
-from wafer.engine.speculative.config import SpeculativeConfig
+from wafer.engine.speculative.config import SpeculativeConfig, draft_of, without_draft
 from wafer.models.generation_defaults import NEUTRAL
 from wafer.models.loader import LoadedModel, display_name, estimate_bytes
 from wafer.router.config import (
@@ -249,8 +249,8 @@ def fit_memory(cfg: ServeConfig, budget: int | None = None) -> list[str]:
             if target == name:
                 cfg.aliases[alias] = stand_in
         for m in cfg.models.values():
-            if m.speculative == f"draft:{name}":
-                m.speculative = "off"
+            if draft_of(m.speculative) == name:
+                m.speculative = without_draft(m.speculative)
         del cfg.models[name]
         notes.append(f"{name} was not loaded: it needs about {need[name] / 2**30:.1f} GiB and the memory budget is "
                      f"{budget / 2**30:.1f} GiB" + (f"; tier {', '.join(moved)}" if moved else ""))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wafer.server.caller import Caller, current_caller
@@ -332,7 +332,22 @@ class ServerMetrics:
             "e2e_p50": _percentile(e2es, 0.5),
             "e2e_p95": _percentile(e2es, 0.95),
             "window_requests": len(recent),
+            "speculation": _speculation([s.spec for s in stats]),
         }
+
+
+def _speculation(specs: list[Any]) -> dict[str, Any]:
+    """Speculative decoding over the engines since start: steps, drafts and tokens kept, in all and
+    by proposer (the dashboard's table)."""
+    out: dict[str, Any] = {"steps": sum(s.decode_steps for s in specs), "drafts": sum(s.drafts for s in specs),
+                           "accepted_tokens": sum(s.accepted_tokens for s in specs), "methods": {}}
+    for s in specs:
+        for method, m in s.by_method.items():
+            row = out["methods"].setdefault(method, {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0})
+            row["drafts"] += m.drafts
+            row["draft_tokens"] += m.draft_tokens
+            row["accepted_tokens"] += m.accepted_tokens
+    return out
 
 
 class _SpecDecodeCollector:
@@ -354,6 +369,17 @@ class _SpecDecodeCollector:
                                    "Tokens per verifying step: 1 + accepted / drafts (0 before any draft).", labels=lbl)
         preempted = CounterMetricFamily("wafer:num_preemptions", "Running sequences stopped for want of KV "
                                         "blocks, to be computed again (as vLLM's num_preemptions).", labels=lbl)
+        steps = CounterMetricFamily("wafer:spec_decode_num_steps", "Decoding steps of a sequence, drafted or "
+                                    "not: drafts over these is the share of steps that drafted.", labels=lbl)
+        per_step = HistogramMetricFamily("wafer:spec_decode_accepted_tokens_per_step",
+                                         "Proposed tokens kept by each step that verified a draft.", labels=lbl)
+        by = lbl + ["method"]
+        m_drafts = CounterMetricFamily("wafer:spec_decode_method_num_drafts", "Proposals verified, by the "
+                                       "proposer that made them (ngram, suffix, draft).", labels=by)
+        m_tokens = CounterMetricFamily("wafer:spec_decode_method_num_draft_tokens", "Tokens proposed, by proposer.",
+                                       labels=by)
+        m_accepted = CounterMetricFamily("wafer:spec_decode_method_num_accepted_tokens",
+                                         "Proposed tokens kept, by proposer.", labels=by)
         for name, engine in self.engines.items():
             snap = engine.stats()
             st = snap.spec
@@ -364,7 +390,19 @@ class _SpecDecodeCollector:
                 per_pos.add_metric([name, str(pos)], n)
             length.add_metric([name], st.mean_acceptance_length)
             preempted.add_metric([name], snap.num_preemptions)
-        yield from (drafts, tokens, accepted, per_pos, length, preempted)
+            steps.add_metric([name], st.decode_steps)
+            buckets, seen = [], 0
+            for kept, n in enumerate(st.accepted_hist):
+                seen += n
+                buckets.append((str(kept), seen))
+            buckets.append(("+Inf", st.drafts))
+            per_step.add_metric([name], buckets, st.accepted_tokens)
+            for method, m in sorted(st.by_method.items()):
+                m_drafts.add_metric([name, method], m.drafts)
+                m_tokens.add_metric([name, method], m.draft_tokens)
+                m_accepted.add_metric([name, method], m.accepted_tokens)
+        yield from (drafts, tokens, accepted, per_pos, length, preempted, steps, per_step, m_drafts, m_tokens,
+                    m_accepted)
 
 
 class _ReplicaCollector:

@@ -96,6 +96,9 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # OpenAI's key for requests that share what is cached for them: here, whose earlier outputs suffix
+    # drafts may draw on (requests without one share theirs).
+    prompt_cache_key: Annotated[str, Field(strict=True, max_length=256)] | None = None
     # Extensions that vLLM and llama.cpp also accept.
     top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None
     min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None

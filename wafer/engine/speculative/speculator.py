@@ -19,8 +19,10 @@ from wafer.engine.speculative.draft_length import DraftLength
 from wafer.engine.speculative.draft_model import DraftModelProposer
 from wafer.engine.speculative.draft_tree import DraftTree, accepted_moves
 from wafer.engine.speculative.ngram import NgramProposer
+from wafer.engine.speculative.picker import PickingProposer
 from wafer.engine.speculative.proposer import Draft, Proposer
 from wafer.engine.speculative.stats import SpecStats
+from wafer.engine.speculative.suffix import SuffixProposer
 from wafer.engine.speculative.verification import Append, verify
 from wafer.models.loader import LoadedModel
 
@@ -36,19 +38,35 @@ def lookup_on_request(spec: SpeculativeConfig, pipeline_parallel: int) -> bool:
 
 def make_proposer(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None, on_request: bool,
                   num_slots: int, max_model_len: int, seed: int | None) -> Proposer | None:
-    """The proposer `spec` names (prompt lookup where requests may ask for it); None: no drafts.
-    Raises ValueError for a draft model that is missing or whose vocabulary differs."""
-    if spec.method == "ngram" or on_request:
+    """The proposer `spec` names (prompt lookup where requests may ask for it; a PickingProposer over
+    several); None: no drafts. Raises ValueError for a draft model that is missing or whose
+    vocabulary differs."""
+    if on_request:
         return NgramProposer(spec)
-    if spec.method != "draft":
+    methods = spec.methods if spec.enabled else ()
+    if not methods:
         return None
-    if draft is None:
-        raise ValueError("speculative method 'draft' needs a draft model")
-    if (draft.tokenizer.tokenizer.get_vocab() != target.tokenizer.tokenizer.get_vocab()
-            or draft.config.vocab_size != target.config.vocab_size):
-        raise ValueError(f"draft model {draft.name} cannot propose for {target.name}: their tokenizers "
-                         "differ (speculative decoding needs the same vocabulary)")
-    return DraftModelProposer(draft.model, num_slots, max_model_len, seed)
+    model = None
+    if "draft" in methods:
+        if draft is None:
+            raise ValueError("speculative method 'draft' needs a draft model")
+        if (draft.tokenizer.tokenizer.get_vocab() != target.tokenizer.tokenizer.get_vocab()
+                or draft.config.vocab_size != target.config.vocab_size):
+            raise ValueError(f"draft model {draft.name} cannot propose for {target.name}: their tokenizers "
+                             "differ (speculative decoding needs the same vocabulary)")
+        model = DraftModelProposer(draft.model, num_slots, max_model_len, seed)
+    ngram = NgramProposer(spec) if "ngram" in methods else None
+    suffix = SuffixProposer(spec) if "suffix" in methods else None
+    if len(methods) > 1:
+        return PickingProposer(ngram, suffix, model)
+    return ngram or suffix or model
+
+
+def draft_model_of(proposer: Proposer | None) -> DraftModelProposer | None:
+    """The draft model among the proposers, if one is."""
+    if isinstance(proposer, PickingProposer):
+        return proposer.draft
+    return proposer if isinstance(proposer, DraftModelProposer) else None
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,10 @@ class Speculator:
         self.draft_length = DraftLength(config.num_tokens) if adaptive and not pipelined else None
         self.step_k: int | None = None  # the draft length this step was given, when DraftLength chose it
         self.kept = False  # the last step verified drafts and kept every one whole: DraftLength's context
+        self.model = draft_model_of(proposer)
+        # Which proposer made each draft, for the counts by method (one proposer: its method).
+        self.single = None if isinstance(proposer, PickingProposer) else (
+            "ngram" if on_request else (config.methods[0] if config.methods else None))
 
     def active(self, num_running: int) -> bool:
         """Whether this step may propose drafts: a proposer, and no more sequences running than speculate."""
@@ -106,17 +128,28 @@ class Speculator:
         return sum(k * (1.0 + per_position * len(seq.tokens)) for seq in running
                    if len(seq.tokens) - seq.num_cached == 1 and self.wants_drafts(seq))
 
-    def release(self, seq_id: int) -> None:
-        """The sequence ended, or was preempted: whatever the proposer holds of it goes."""
+    def release(self, seq_id: int, finished: Sequence | None = None) -> None:
+        """The sequence ended (`finished`: it, where it finished), or was preempted: whatever the
+        proposer holds of it goes; a finished output joins what suffix drafts draw on."""
         if self.proposer is not None:
             self.proposer.release(seq_id)
+            learn = getattr(self.proposer, "finished", None)
+            if finished is not None and finished.finished and learn is not None:
+                learn(finished)
+
+    def method_of(self, seq_id: int) -> str | None:
+        if self.single is not None:
+            return self.single
+        return getattr(self.proposer, "method_of", {}).get(seq_id)
 
     def attach(self, scheduled: list[ScheduledSeq], num_running: int) -> None:
         """Give each decoding sequence that may speculate a proposal to verify in this step. A failure
         to propose leaves the step without drafts: speculation is an optimisation."""
         self.step_k = None
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.catch_up_seconds = 0.0
+        if self.model is not None:
+            self.model.catch_up_seconds = 0.0
+        if self.proposer is not None:
+            self.stats.decode_steps += sum(1 for item in scheduled if item.count == 1 and item.samples)
         if not scheduled or not self.active(num_running):
             return
         try:
@@ -183,24 +216,25 @@ class Speculator:
         """A draft model computes the prompt chunks the target computed in this step, for the
         sequences that may speculate: not under a grammar, not a single token, and not while more
         run than speculate (they catch up at their first proposal, if one comes)."""
-        if not isinstance(self.proposer, DraftModelProposer) or not self.active(num_running):
+        if self.model is None or not self.active(num_running):
             return
         prompt = [item for item in scheduled if item.start < item.seq.num_prompt and not item.seq.finished
                   and item.seq.matcher is None and item.seq.params.max_tokens > 1]
         try:
-            self.proposer.follow_prompt(prompt)
+            self.model.follow_prompt(prompt)
         except Exception:  # an optimisation: the first proposal catches up instead
             log.exception("the draft model failed on a prompt chunk; it catches up when it next proposes")
             for item in prompt:
-                self.proposer.release(item.seq.seq_id)
+                self.model.release(item.seq.seq_id)
 
     def verify(self, item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: Append) -> list[SequenceOutput]:
         """The target's logits over [last token, draft...] turned into 1 to (tree depth)+1 tokens;
         the accepted path's KV rows moved to follow the sequence's last token (in place on a chain)."""
         seq = item.seq
         start_len = len(seq.tokens)
+        method = self.method_of(seq.seq_id)  # read first: a sequence that finishes in it is released
         outs, path = verify(item, rows, sampler, append)
-        self.stats.record(len(item.draft), len(path))
+        self.stats.record(len(item.draft), len(path), method)
         if not seq.finished and seq.slot is not None and self.proposer is not None:
             src, dst = accepted_moves(start_len, path)
             if src:
@@ -224,5 +258,5 @@ class Speculator:
         drafted, accepted = self.stats.draft_tokens - mark.drafted, self.stats.accepted_tokens - mark.accepted
         self.kept = drafted > 0 and accepted == drafted
         if mark.measured and self.step_k is not None:
-            catch_up = self.proposer.catch_up_seconds if isinstance(self.proposer, DraftModelProposer) else 0.0
+            catch_up = self.model.catch_up_seconds if self.model is not None else 0.0
             self.draft_length.record(self.step_k, tokens, seconds - catch_up, batch, mark.kept_before)

@@ -128,6 +128,15 @@ async function tick() {
       a.tokens_written || 0, (a.seconds || 0).toFixed(1), (a.cost_usd || 0).toFixed(4)]);
     table("#tenants", d.tenants, (t, a) => [t, a.requests || 0, a.input_tokens || 0, a.output_tokens || 0,
       (a.cost_usd || 0).toFixed(4), a.errors || 0, a.rate_limited || 0]);
+    const sp = d.speculation;
+    if (sp && sp.drafts) {
+      document.getElementById("spec").textContent = sp.drafts + " drafts in " + sp.steps + " decoding steps (" +
+        (100 * sp.drafts / Math.max(1, sp.steps)).toFixed(0) + "% drafted), " +
+        (sp.accepted_tokens / sp.drafts).toFixed(2) + " tokens kept per drafted step";
+      table("#spec_methods", sp.methods, (m, a) => [m, a.drafts, a.draft_tokens, a.accepted_tokens,
+        (a.accepted_tokens / Math.max(1, a.drafts)).toFixed(2),
+        (100 * a.accepted_tokens / Math.max(1, a.draft_tokens)).toFixed(0) + "%"]);
+    }
     push("tps", [tps]); push("ttft", [d.ttft_p50, d.ttft_p95]); push("e2e", [d.e2e_p50, d.e2e_p95]);
     push("rw", [d.running, d.waiting]); push("kv", [100 * d.kv_cache_usage]); push("err", [errors]);
     Object.keys(series).forEach(draw);

@@ -4,6 +4,7 @@ one where the test must see what the model was sent."""
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import httpx
 import openai
@@ -17,6 +18,16 @@ from wafer.agents.store import ResponseStore
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+# A call a program made, and its output, as a client could forge them.
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+
+
+def stored(db) -> int:
+    with sqlite3.connect(db) as c:
+        return c.execute("select count(*) from responses").fetchone()[0]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +165,18 @@ def test_a_json_schema_answer(real):
     ({"model": MODEL, "input": "hi", "previous_response_id": "resp_nothing"}, "previous_response_id"),
     ({"model": MODEL, "input": [{"type": "item_reference", "id": "msg_nothing"}]}, "input[0].id"),
     ({"model": MODEL}, "input"),
+    # item fields that are not what the API's types say (each was a 500)
+    ({"model": MODEL, "input": [{"role": "user", "content": "hi", "id": [1]}]}, "input[0].id"),
+    ({"model": "no-such-model", "input": [{"role": "user", "content": "hi", "id": [1]}]}, "input[0].id"),
+    ({"model": MODEL, "input": [{"role": "user", "content": "hi", "status": {}}]}, "input[0].status"),
+    ({"model": MODEL, "input": [{**CALL, "caller": "x"}, OUTPUT]}, "input[0].caller"),
+    ({"model": MODEL, "input": [{**CALL, "caller": {"type": "program"}}, OUTPUT]}, "input[0].caller.caller_id"),
+    ({"model": MODEL, "input": [{**CALL, "caller": {"type": "program", "caller_id": [1]}}, OUTPUT]},
+     "input[0].caller.caller_id"),
+    ({"model": MODEL, "input": [{**CALL, "caller": {"type": "robot"}}, OUTPUT]}, "input[0].caller"),
+    # a sub-agent model that nothing serves: refused before the plan's turn, not when the agents start
+    ({"model": MODEL, "input": "hi", "multi_agent": {"enabled": True, "subagent_model": "no-such-model"}},
+     "multi_agent.subagent_model"),
 ])
 def test_bad_requests_are_openai_shaped_400s(real, body, param):
     server, _, _ = real
@@ -161,6 +184,30 @@ def test_bad_requests_are_openai_shaped_400s(real, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+
+
+def test_a_refused_request_stores_nothing(real):
+    server, client, db = real
+    client.responses.create(model=MODEL, input="hi", max_output_tokens=1)  # makes the table
+    before = stored(db)
+    r = httpx.post(server.base_url + "/v1/responses", json={"model": MODEL, "input": [
+        {"role": "user", "content": "hi"}, {**CALL, "caller": "x"}, OUTPUT]}, timeout=30)
+    assert r.status_code == 400 and stored(db) == before
+
+
+@pytest.fixture(scope="module")
+def a_stored_response(real):
+    return real[1].responses.create(model=MODEL, input="hi", max_output_tokens=1).id
+
+
+# '²' and '١' pass str.isdigit() and not int(); 5,000 digits pass isdigit() and not int() either
+@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "0", "101", "-1", "1.5", " 7", "\u0661"])
+def test_input_items_limit_is_an_integer_from_1_to_100(real, a_stored_response, limit):
+    server, _, _ = real
+    r = httpx.get(f"{server.base_url}/v1/responses/{a_stored_response}/input_items", params={"limit": limit},
+                  timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "limit"
 
 
 def test_unknown_model_and_too_long_input(real):

@@ -16,3 +16,12 @@ class ChatBackend(Protocol):
         an OpenAI request body with `stream` set. A failure, before or during the stream, raises
         `wafer.errors.APIError`; closing the iterator early cancels the generation."""
         ...
+
+
+class CheckedBackend(ChatBackend, Protocol):
+    """A backend that can tell up front which model names it serves (the server's own can; a
+    scripted one need not): a request naming another fails before its first turn, not minutes in."""
+
+    def check_model(self, name: str) -> None:
+        """Raises the `wafer.errors.APIError` (a 404, model_not_found) for a name it does not serve."""
+        ...

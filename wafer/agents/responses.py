@@ -23,7 +23,7 @@ from wafer.agents.ptc import Parked, ProgramPool, program_code, program_tool
 from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox
 from wafer.agents.store import ResponseStore
 from wafer.agents.ultra import Ultra, resumable, settings
-from wafer.errors import APIError, bad_request
+from wafer.errors import APIError, bad_request, server_error
 
 log = logging.getLogger("wafer.agents")
 
@@ -105,6 +105,7 @@ class ResponsesService:
             ultra = {k: ultra_state[k] for k in ("n", "subagent_model", "agent_tokens")}
         req = req.model_copy(update={"model": model})
         new = await asyncio.to_thread(input_items, req.input)  # grows with the input: off the loop
+        self._check_models(model, ultra)
         known = {i.get("id"): i for i in history + new if i.get("type") != "item_reference"}
         for i, item in enumerate(new):
             if item["type"] == "item_reference":
@@ -129,6 +130,20 @@ class ResponsesService:
                 raise bad_request(f"The program {plan.resume.call_id} waits on the outputs of calls "
                                   f"{', '.join(sorted(missing))}; send them all together.", "input")
         return plan
+
+    def _check_models(self, model: str, ultra: dict[str, Any] | None) -> None:
+        """The models the response's turns will ask for, known before the first turn: an unknown
+        sub-agent model would otherwise fail only after the plan's turn, many seconds in."""
+        check = getattr(self.backend, "check_model", None)
+        if check is None:
+            return
+        check(model)
+        if ultra is not None and ultra["subagent_model"] != model:
+            try:
+                check(ultra["subagent_model"])
+            except APIError as e:
+                raise bad_request(f"Invalid value for 'multi_agent.subagent_model': {e.message}",
+                                  "multi_agent.subagent_model", "model_not_found") from None
 
     def _tools(self, req: ResponseRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
         chat: list[dict[str, Any]] = []
@@ -237,8 +252,7 @@ class ResponsesService:
                 failure = e
             else:
                 log.exception("response %s failed", plan.rid)
-                failure = APIError(500, f"Internal error (response id {plan.rid}).", "server_error", None,
-                                   "internal_error")
+                failure = server_error("Internal error.", plan.rid)  # the log names it by the response's id
             plan.failure = failure
             status, error = "failed", {"code": failure.code or "server_error", "message": failure.message}
             yield ev("error", code=failure.code, message=failure.message, param=failure.param)

@@ -57,7 +57,8 @@ class BodyLimit:
         too_big = APIError(413, f"Request body too large (limit {self.limit} bytes).", "invalid_request_error",
                            None, "request_too_large")
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+        # Too many digits for any body (and for int(), past 4,300) is over the limit too.
+        if declared is not None and declared.isdigit() and (len(declared) > 18 or int(declared) > self.limit):
             await error_response(too_big)(scope, receive, send)
             return
         # Read the whole body here (it is small by definition), then replay it to the app.
@@ -237,10 +238,14 @@ def create_app(
     if responses is not None:
         responses.on_finish.append(metrics.agent_response)
 
+    def check_model(name: str) -> None:
+        if name not in router.names:
+            raise unknown_model(name, router)
+
     def responses_service() -> ResponsesService:
         if not agents:  # the store's file is made on the first use of the Responses API, not at start
-            agents.append(ResponsesService(InProcessChat(answer), ResponseStore(state_db), prices=prices,
-                                           subagent_model=subagent_model))
+            agents.append(ResponsesService(InProcessChat(answer, check_model), ResponseStore(state_db),
+                                           prices=prices, subagent_model=subagent_model))
             agents[0].on_finish.append(metrics.agent_response)
         return agents[0]
 
@@ -441,7 +446,9 @@ def create_app(
     async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
         q = request.query_params
         limit = q.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        # ASCII digits, at most three: isdigit() also takes '²', which int() refuses, and a number of
+        # thousands of digits, which int() refuses past 4,300.
+        if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
             raise APIError(400, "limit must be an integer from 1 to 100.", "invalid_request_error", "limit",
                            "invalid_value")
         order = q.get("order", "desc")

@@ -43,10 +43,11 @@ def _error(status: int, payload: Any) -> APIError:
 
 
 class InProcessChat:
-    """`wafer.agents.backend.ChatBackend` over the app's `answer`."""
+    """`wafer.agents.backend.CheckedBackend` over the app's `answer`."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer, check_model: Callable[[str], None]) -> None:
         self.answer = answer
+        self.check_model = check_model  # raises the 404 for a name that no model or upstream answers to
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}

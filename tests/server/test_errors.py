@@ -271,6 +271,11 @@ def test_api_keys_from_flag_environment_and_file(tmp_path):
     assert api_keys(["sk-flag"], str(f), {"WAFER_API_KEY": "sk-env-1, sk-env-2"}) == [
         "sk-flag", "sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2"]
     assert api_keys([], None, {}) == []
+    # A blank key would leave the server open without a word: refused, wherever it comes from.
+    for given, env in (([""], {}), (["  "], {}), (["sk-1", ""], {}), ([], {"WAFER_API_KEY": ""}),
+                       ([], {"WAFER_API_KEY": "sk-1,,sk-2"})):
+        with pytest.raises(ConfigError, match="empty"):
+            api_keys(given, None, env)
     with pytest.raises(ConfigError, match="no such file|No such file"):
         api_keys([], str(tmp_path / "missing"), {})
     (tmp_path / "empty").write_text("# nothing\n")

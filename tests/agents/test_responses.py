@@ -3,8 +3,10 @@ one where the test must see what the model was sent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
+import threading
 
 import httpx
 import openai
@@ -291,6 +293,40 @@ def test_each_response_accounts_for_its_turns_and_the_task_so_far(scripted):
     assert task["input_tokens"] == first.usage.input_tokens + second.usage.input_tokens
     assert task["cost_usd"] == pytest.approx(a1["cost_usd"] + a2["cost_usd"])
     assert client.responses.retrieve(second.id).model_extra["accounting"]["task"] == task
+
+
+def test_delete_of_a_streaming_response_ends_its_stream_with_a_terminal_event(scripted):
+    client, script = scripted
+    started = threading.Event()
+
+    async def hold(body):  # type: ignore[no-untyped-def]
+        started.set()
+        await asyncio.sleep(3600)  # a turn that would run on for an hour
+
+    script.policy = hold
+    base = str(client.base_url)
+    try:
+        with httpx.stream("POST", base + "responses", json={"model": MODEL, "input": "hi", "stream": True},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["type"] == "response.in_progress":
+                        break
+            assert started.wait(10)
+            rid = events[0]["response"]["id"]
+            deleted = httpx.delete(f"{base}responses/{rid}", timeout=10)
+            assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+            events += [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    finally:
+        script.policy = None
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"], events[-3:]
+    assert events[-2]["code"] == "response_cancelled"
+    assert events[-1]["response"]["status"] == "cancelled" and events[-1]["response"]["id"] == rid
+    with pytest.raises(openai.NotFoundError):  # deleted stays deleted: the end of the stream did not store it
+        client.responses.retrieve(rid)
 
 
 def test_reasoning_comes_as_a_reasoning_item_before_the_answer(scripted):

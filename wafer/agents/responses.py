@@ -44,7 +44,7 @@ class ResponsesService:
         self.prices = prices or {}
         # Called with every finished response (the server counts them in its metrics).
         self.on_finish: list[Callable[[dict[str, Any]], None]] = []
-        self.active: dict[str, asyncio.Task[Any]] = {}  # responses being made, by id: what DELETE cancels
+        self.active: dict[str, Plan] = {}  # responses being made, by id: what DELETE cancels
         self.backend = backend
         self.store = store
         self.pool = pool or ProgramPool()
@@ -59,7 +59,7 @@ class ResponsesService:
 
     async def delete(self, rid: str) -> dict[str, Any]:
         running = self.active.pop(rid, None)
-        if running is not None:  # still being made: cancelling it stops every agent and program of it
+        if running is not None:  # still being made: it stops, every agent and program of it, and is not stored
             running.cancel()
         if not await asyncio.to_thread(self.store.delete, rid) and running is None:
             raise _not_found(rid)
@@ -239,14 +239,31 @@ class ResponsesService:
         yield ev("response.created", response=self.response(plan, "in_progress"))
         yield ev("response.in_progress", response=self.response(plan, "in_progress"))
         status, error, incomplete = "completed", None, None
-        self.active[plan.rid] = asyncio.current_task()  # type: ignore[assignment]
+        self.active[plan.rid] = plan
         body = Ultra(self).run(plan, ev) if plan.ultra is not None else self._turns(plan, ev)
         try:
-            async for event in body:
+            while not plan.cancelled:
+                # Each step a task of its own, which DELETE cancels: the body stops where it is (its
+                # turns, agents and programs with it) and this stream goes on to its terminal event.
+                plan.step = asyncio.ensure_future(_next(body))
+                try:
+                    event = await plan.step
+                except asyncio.CancelledError:
+                    if not plan.cancelled or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                        raise  # not DELETE's: the request itself is cancelled (its client went)
+                    break
+                if event is None:
+                    break
                 if event["type"] == "incomplete":
                     status, incomplete = "incomplete", event["reason"]
                     continue
                 yield event
+            if plan.cancelled:
+                # OpenAI's status for a response stopped before its end; its streams have no event of
+                # that name, so the stream ends as a failure does: an error event, then response.failed.
+                status, error, incomplete = "cancelled", None, None
+                yield ev("error", code="response_cancelled", param=None,
+                         message=f"The response {plan.rid} was deleted while in progress.")
         except Exception as e:  # noqa: BLE001 - a failure of this response, not of the server
             if isinstance(e, APIError):
                 failure = e
@@ -258,15 +275,16 @@ class ResponsesService:
             yield ev("error", code=failure.code, message=failure.message, param=failure.param)
         finally:
             self.active.pop(plan.rid, None)
+            await body.aclose()  # a body left mid-way closes its turns' streams (their sequences end)
             for program in plan.running:  # started here and not parked: a response cut short frees them
                 await program.kill()
         self._totals(plan)
         final = self.response(plan, status, error, incomplete)
         for hook in self.on_finish:
             hook(final)
-        if plan.req.store:
+        if plan.req.store and not plan.cancelled:  # a deleted response stays deleted
             await asyncio.to_thread(self.store.put, final, plan.new_items, plan.accounting)
-        yield ev({"completed": "response.completed", "failed": "response.failed",
+        yield ev({"completed": "response.completed", "failed": "response.failed", "cancelled": "response.failed",
                   "incomplete": "response.incomplete"}[status], response=final)
 
     def _totals(self, plan: Plan) -> None:
@@ -517,6 +535,14 @@ class ResponsesService:
                 yield event
         plan.running.remove(program)
         self.pool.park(Parked(program, call_id, {c.call_id: c for c in result}, plan.rid, started, 0.0, ran))
+
+
+async def _next(body: AsyncIterator[dict[str, Any]]) -> dict[str, Any] | None:
+    """The body's next event, or None at its end (StopAsyncIteration cannot end a task's coroutine)."""
+    try:
+        return await anext(body)
+    except StopAsyncIteration:
+        return None
 
 
 def mode_of(plan: Plan) -> str:

@@ -329,6 +329,34 @@ def test_delete_of_a_streaming_response_ends_its_stream_with_a_terminal_event(sc
         client.responses.retrieve(rid)
 
 
+def test_a_response_cut_by_shutdown_is_incomplete_interrupted(smollm, tmp_path):
+    """Not `max_output_tokens`: the client can tell a cut response from one that ran out of budget."""
+    db = tmp_path / "state.db"
+    server = start_server(smollm, names=[MODEL], state_db=db)
+
+    def shut_down() -> None:  # what GracefulServer does when its grace period is over (wafer/server/main.py)
+        server.served.engine.accepting = False
+        server.served.engine.finish_all("length")
+
+    events = []
+    try:
+        body = {"model": MODEL, "input": "Write a long story about a cat.", "stream": True, "max_output_tokens": 400}
+        with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if [e["type"] for e in events].count("response.output_text.delta") == 2:
+                        server.server.loop.call_soon_threadsafe(shut_down)
+    finally:
+        server.stop()
+    final = events[-1]
+    assert final["type"] == "response.incomplete", [e["type"] for e in events[-3:]]
+    assert final["response"]["incomplete_details"] == {"reason": "interrupted"}
+    assert final["response"]["usage"]["output_tokens"] < 400
+    kept = ResponseStore(db).get(final["response"]["id"])[0]
+    assert kept["status"] == "incomplete" and kept["incomplete_details"] == {"reason": "interrupted"}
+
+
 def test_reasoning_comes_as_a_reasoning_item_before_the_answer(scripted):
     client, script = scripted
     script.turns[:] = [{"reasoning": "two plus two is four", "text": "4"}]

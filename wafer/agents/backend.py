@@ -14,7 +14,8 @@ class ChatBackend(Protocol):
     def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The chunks (`chat.completion.chunk` objects) of the chat completion asked for by `body`,
         an OpenAI request body with `stream` set. A failure, before or during the stream, raises
-        `wafer.errors.APIError`; closing the iterator early cancels the generation."""
+        `wafer.errors.APIError`; closing the iterator early cancels the generation. Besides OpenAI's
+        finish reasons, a turn that the server's shutdown cut may end with "interrupted"."""
         ...
 
 

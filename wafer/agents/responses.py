@@ -452,6 +452,8 @@ class ResponsesService:
                 yield event
         if finish == "length":
             yield {"type": "incomplete", "reason": "max_output_tokens"}
+        elif finish == "interrupted":  # a backend's own reason: the server's shutdown cut the turn
+            yield {"type": "incomplete", "reason": "interrupted"}
 
     async def _close_reasoning(self, plan: Plan, ev: Events, item: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         index = plan.output.index(item)

@@ -244,7 +244,8 @@ def create_app(
 
     def responses_service() -> ResponsesService:
         if not agents:  # the store's file is made on the first use of the Responses API, not at start
-            agents.append(ResponsesService(InProcessChat(answer, check_model), ResponseStore(state_db),
+            draining = lambda: not all(m.engine.accepting for m in served_list)  # noqa: E731
+            agents.append(ResponsesService(InProcessChat(answer, check_model, draining), ResponseStore(state_db),
                                            prices=prices, subagent_model=subagent_model))
             agents[0].on_finish.append(metrics.agent_response)
         return agents[0]

@@ -36,6 +36,7 @@ from wafer.server.metrics import ServerMetrics, StatusCounter
 from wafer.server.loop_monitor import LoopMonitor
 from wafer.server.openapi import install_openapi
 from wafer.server.streaming import EventStreamResponse
+from wafer.server.ultra_chat import ULTRA, ultra_chat
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("wafer.server")
@@ -409,7 +410,13 @@ def create_app(
 
     @v1.post("/chat/completions")
     async def chat(request: Request) -> Response:
-        return await dispatch("chat", request)
+        body = await read_json(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        # Ultra by its name alone, as on /v1/responses: a name of its own (an alias, say) is that name's.
+        if isinstance(model, str) and model.endswith(ULTRA) and model not in router.names \
+                and model.removesuffix(ULTRA) in router.names:
+            return await ultra_chat(responses_service(), body, request)
+        return await answer("chat", body, request)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:

@@ -135,6 +135,10 @@ CASES = [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
             "name": "f", "arguments": "[" * 100000}}]},
         {"role": "tool", "tool_call_id": "1", "content": "x"}]), 400, "messages", "context_length_exceeded"),
+    # bench/fuzz.py found it (issue 54): llguidance cannot write an integer past 64 bits as JSON
+    ("json_schema with an integer past 64 bits", "POST", CHAT, chat(response_format={"type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "integer", "maximum": 10**20}}}), 400,
+     "response_format.json_schema.schema", None),
     ("tool message without tool_call_id", "POST", CHAT, chat(messages=[{"role": "user", "content": "hi"},
                                                                       {"role": "tool", "content": "x"}]),
      400, "messages[1].tool_call_id", None),

@@ -104,7 +104,10 @@ class ChatHandler(ReasonedChat):
             if req.response_format.type == "json_schema":
                 param = "response_format.json_schema.schema"
                 schema = check_schema(req.response_format.json_schema.schema_, param)
-            grammar = json_grammar(schema)
+            try:
+                grammar = json_grammar(schema)
+            except ValueError as e:  # what llguidance cannot read as JSON (an integer past 64 bits, say)
+                raise bad_request(f"the schema cannot be compiled into a grammar: {e}", param) from None
         else:
             return None
         try:

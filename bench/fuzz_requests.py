@@ -413,7 +413,7 @@ def odd_messages(model: str) -> st.SearchStrategy[FuzzRequest]:
 RESPONSES = "/v1/responses"
 # What a field of a Responses item or parameter may hold instead of what the API's types say.
 _ODD = st.sampled_from([None, [1], {}, {"a": 1}, 5, -1, 1.5, True, "", "x", "\u00b2", "a" * 1000, ["a"],
-                        "\ud83d\ude00", "resp_" + "0" * 24])
+                        "\U0001f600", "resp_" + "0" * 24])
 
 
 def _maybe(value: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:

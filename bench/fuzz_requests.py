@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+from urllib.parse import quote
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -409,11 +410,120 @@ def odd_messages(model: str) -> st.SearchStrategy[FuzzRequest]:
     return body.map(lambda b: _post("odd-messages", CHAT, b))
 
 
+RESPONSES = "/v1/responses"
+# What a field of a Responses item or parameter may hold instead of what the API's types say.
+_ODD = st.sampled_from([None, [1], {}, {"a": 1}, 5, -1, 1.5, True, "", "x", "\u00b2", "a" * 1000, ["a"],
+                        "\U0001f600", "resp_" + "0" * 24])
+
+
+def _maybe(value: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly the value the API wants, sometimes an odd one."""
+    return st.one_of(value, value, value, _ODD)
+
+
+def responses_items() -> st.SearchStrategy[Any]:
+    """An input item of /v1/responses: each kind the server takes, with its fields (ids, statuses,
+    a call's `caller` in every form) now and then of another type or value."""
+    text = _text(30)
+    part = st.fixed_dictionaries({"type": _maybe(st.sampled_from(["input_text", "output_text", "refusal",
+                                                                 "input_image", "summary_text"])),
+                                  "text": _maybe(text)})
+    content = st.one_of(text, st.lists(part, max_size=3), _ODD)
+    common = {"id": _maybe(st.sampled_from(["msg_1", "fc_1", "item_1"])), "status": _maybe(st.sampled_from(
+        ["completed", "in_progress", "incomplete"]))}
+    call_id = _maybe(st.sampled_from(["call_1", "call_2"]))
+    caller = st.one_of(st.none(), st.just({"type": "direct"}), st.just("x"), st.just({}), st.just({"type": "program"}),
+                       st.fixed_dictionaries({"type": _maybe(st.just("program")), "caller_id": _maybe(call_id)}), _ODD)
+    kinds = [
+        st.fixed_dictionaries({"role": _maybe(st.sampled_from(["user", "assistant", "system", "developer"])),
+                               "content": content}, optional={"type": st.just("message"), **common}),
+        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": call_id, "name": _maybe(st.just("f")),
+                               "arguments": _maybe(st.sampled_from(["{}", '{"a": 1}', "[" * 100]))},
+                              optional={"caller": caller, **common}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": call_id,
+                               "output": st.one_of(_maybe(text), st.lists(part, max_size=2))}, optional=common),
+        st.fixed_dictionaries({"type": st.just("program"), "call_id": call_id, "code": _maybe(st.just("print(1)"))},
+                              optional={"fingerprint": _maybe(st.just("x")), **common}),
+        st.fixed_dictionaries({"type": st.just("program_output"), "call_id": call_id, "result": _maybe(text)},
+                              optional={"error": _maybe(text), **common}),
+        st.fixed_dictionaries({"type": st.just("reasoning")}, optional={"summary": _maybe(st.just([])), **common}),
+        st.fixed_dictionaries({"type": st.just("item_reference"), "id": _maybe(st.just("msg_nothing"))}),
+        st.fixed_dictionaries({"type": _ODD}),
+        _ODD,
+    ]
+    return st.one_of(*kinds)
+
+
+def responses_requests(model: str) -> st.SearchStrategy[FuzzRequest]:
+    """/v1/responses: bodies of odd items and parameters (kept cheap: at most MAX_TOKENS out, Ultra's
+    sub-agents as few and as short), and the GET and DELETE endpoints with odd ids and query strings
+    (`limit` in Unicode digits or thousands of digits, odd `order` and `after`)."""
+    tool = st.one_of(
+        st.just({"type": "function", "name": "f", "parameters": {"type": "object"}}),
+        st.just({"type": "function", "name": "g", "allowed_callers": ["programmatic"],
+                 "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}),
+        st.just({"type": "programmatic_tool_calling"}),
+        st.fixed_dictionaries({"type": _maybe(st.just("function")), "name": _maybe(st.just("h")),
+                               "allowed_callers": _maybe(st.just(["direct"]))}),
+    )
+    multi_agent = st.fixed_dictionaries({}, optional={
+        "enabled": _maybe(st.booleans()), "max_concurrent_subagents": _maybe(st.integers(1, 2)),
+        "subagent_model": _maybe(st.sampled_from([model, "luna", "no-such-model"])),
+        "max_output_tokens_per_agent": _maybe(st.integers(1, MAX_TOKENS))})
+    body = st.fixed_dictionaries(
+        {"model": _maybe(st.sampled_from((model, model, model, *ROUTED_NAMES))),
+         "input": st.one_of(_text(40), st.lists(responses_items(), max_size=4), _ODD)},
+        optional={"max_output_tokens": _maybe(st.integers(1, MAX_TOKENS)), "stream": _maybe(st.booleans()),
+                  "store": _maybe(st.booleans()), "tools": st.one_of(st.lists(tool, max_size=3), _ODD),
+                  "tool_choice": _maybe(st.sampled_from(["auto", "none", "required"])),
+                  "instructions": _maybe(_text(20)), "previous_response_id": _ODD,
+                  "text": st.one_of(st.just({"format": {"type": "json_object"}}), _ODD),
+                  "reasoning": st.one_of(st.fixed_dictionaries({"effort": _maybe(st.sampled_from(
+                      ["none", "low", "ultra"]))}), _ODD),
+                  "metadata": _maybe(st.just({"k": "v"})), "temperature": _maybe(st.floats(0, 2)),
+                  "truncation": _maybe(st.sampled_from(["auto", "disabled"])), "user": _maybe(_text(10))})
+
+    @st.composite
+    def post(draw: st.DrawFn) -> FuzzRequest:
+        b = draw(body)
+        if "max_output_tokens" not in b or b["max_output_tokens"] is None or (
+                type(b["max_output_tokens"]) is int and b["max_output_tokens"] > MAX_TOKENS):
+            b["max_output_tokens"] = MAX_TOKENS  # absent or null: to the end of the context
+        if draw(st.integers(0, 29)) == 0:  # Ultra, now and then: a plan's turn and its sub-agents' cost more
+            b["multi_agent"] = draw(multi_agent)
+            if draw(st.booleans()) and isinstance(b["model"], str):
+                b["model"] += "-ultra"
+        if isinstance(b.get("multi_agent"), dict):
+            ma = b["multi_agent"]
+            if type(ma.get("max_output_tokens_per_agent")) is not int or ma["max_output_tokens_per_agent"] > MAX_TOKENS:
+                ma.setdefault("max_output_tokens_per_agent", MAX_TOKENS)
+            if type(ma.get("max_concurrent_subagents")) is int and ma["max_concurrent_subagents"] > 2:
+                ma["max_concurrent_subagents"] = 2
+        return FuzzRequest("responses-post", "POST", RESPONSES, _json(b), {"Content-Type": "application/json"})
+
+    rid = st.sampled_from(["resp_nothing", "resp_" + "0" * 24, "%00", "..", "\u00b2", "a" * 2000, " ", "%ZZ"])
+    limit = st.sampled_from(["\u00b2", "\u0661", "\uff11", "9" * 5000, "0", "-1", "101", "1e2", " 5", "5 ", "",
+                             "abc", "100", "1", "+5", "05", "0x10"])
+
+    @st.composite
+    def read(draw: st.DrawFn) -> FuzzRequest:
+        which = draw(st.sampled_from(["get", "delete", "items"]))
+        path = f"{RESPONSES}/{quote(draw(rid), safe='%')}"
+        if which != "items":
+            return FuzzRequest("responses-" + which, which.upper(), path)
+        query = {k: draw(v) for k, v in (("limit", limit), ("order", _maybe(st.sampled_from(["asc", "desc"]))),
+                                         ("after", _maybe(st.just("msg_1")))) if draw(st.booleans())}
+        qs = "&".join(f"{k}={quote(str(v))}" for k, v in query.items())
+        return FuzzRequest("responses-items", "GET", path + "/input_items" + (f"?{qs}" if qs else ""))
+
+    return st.one_of(post(), post(), post(), read())
+
+
 # Each generator's share of a run: the schema's cases, which are most of what clients send, most.
 WEIGHTS = {
     "schema-positive": 2, "schema-positive-post": 3, "schema-negative": 3,
     "broken-json": 1, "odd-encodings": 1, "pathological-schemas": 2, "extreme-numbers": 2, "long-strings": 1,
-    "deep-nesting": 1, "odd-messages": 2,
+    "deep-nesting": 1, "odd-messages": 2, "responses": 3,
 }
 
 
@@ -427,6 +537,7 @@ def generators(doc: dict[str, Any], model: str,
         "broken-json": broken_json(model), "odd-encodings": odd_encodings(model),
         "pathological-schemas": schemas_in_place(model), "extreme-numbers": extreme_numbers(model),
         "long-strings": long_strings(model, longest), "deep-nesting": deep_nesting(model), "odd-messages": odd_messages(model),
+        "responses": responses_requests(model),
     }
 
 

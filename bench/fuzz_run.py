@@ -7,7 +7,9 @@ What every answer must be:
   send);
 - an error (status 400 and up, or an error event in a stream) shaped exactly
   `{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}`;
-- a JSON answer that parses; a stream whose events parse and that ends in `[DONE]` or an error event;
+- a JSON answer that parses; a stream whose events parse and that ends in `[DONE]` or an error event (a
+  /v1/responses stream: numbered typed events ending in one terminal event, an `error` event only before
+  `response.failed`);
 - complete within `bound` seconds, on a connection the server did not drop.
 """
 
@@ -202,10 +204,47 @@ def judge(status: int, content_type: str, body: bytes) -> tuple[str, str | None]
     return str(status), None
 
 
+# How a Responses stream may end: its terminal events.
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def _judge_responses_stream(status: int, events: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A /v1/responses stream: typed events numbered from 0, ending in one terminal event; an `error`
+    event (OpenAI's: type, code, message, param) only right before `response.failed`."""
+    if [e.get("sequence_number") for e in events] != list(range(len(events))):
+        return str(status), "responses stream: sequence numbers are not 0, 1, 2, ..."
+    last = events[-1]
+    if last.get("type") not in RESPONSE_ENDS:
+        return str(status), f"responses stream ends with {str(last.get('type'))[:80]!r}, not a terminal event"
+    if any(e.get("type") in RESPONSE_ENDS for e in events[:-1]):
+        return str(status), "responses stream: events after its terminal event"
+    errors = [e for e in events if e.get("type") == "error"]
+    if errors:
+        e = errors[-1]
+        label = f"{status} stream-error {e.get('code')}"
+        if not isinstance(e.get("message"), str) or not (e.get("code") is None or isinstance(e.get("code"), str)):
+            return label, f"error shape: responses error event {str(e)[:200]}"
+        if e.get("code") in ("internal_error", "server_error"):
+            return f"{status} stream-error server_error", f"server_error in a stream: {str(e)[:300]}"
+        if events[-2:] != [e, last] or last["type"] != "response.failed":
+            return label, "responses stream: an error event not followed by response.failed"
+        return label, None
+    return str(status), None
+
+
 def _judge_stream(status: int, body: bytes) -> tuple[str, str | None]:
     events = [line[5:].strip() for line in body.decode("utf-8", "replace").split("\n") if line.startswith("data:")]
     if not events:
         return str(status), "a stream without events"
+    try:
+        first = json.loads(events[0])
+    except ValueError:
+        first = None
+    if isinstance(first, dict) and str(first.get("type", "")).startswith("response."):
+        try:
+            return _judge_responses_stream(status, [json.loads(e) for e in events])
+        except ValueError:
+            return str(status), "a stream event that is not JSON"
     for i, data in enumerate(events):
         if data == "[DONE]":
             return str(status), None if i == len(events) - 1 else "events after [DONE]"

@@ -42,5 +42,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def server_error(message: str) -> APIError:
-    return APIError(500, message, "server_error", None, "internal_error")
+def server_error(message: str, request_id: str | None = None) -> APIError:
+    """A 500. With `request_id` (what the server's log names the failure by), the message ends with
+    it and the `x-request-id` header carries it, as OpenAI's do; without one, the server's error
+    handler gives it one."""
+    if request_id is None:
+        return APIError(500, message, "server_error", None, "internal_error")
+    return APIError(500, f"{message.rstrip('.')} (request id {request_id}).", "server_error", None,
+                    "internal_error", {"x-request-id": request_id})

@@ -3,7 +3,10 @@ one where the test must see what the model was sent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
+import threading
 
 import httpx
 import openai
@@ -17,6 +20,16 @@ from wafer.agents.store import ResponseStore
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+# A call a program made, and its output, as a client could forge them.
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+
+
+def stored(db) -> int:
+    with sqlite3.connect(db) as c:
+        return c.execute("select count(*) from responses").fetchone()[0]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +167,18 @@ def test_a_json_schema_answer(real):
     ({"model": MODEL, "input": "hi", "previous_response_id": "resp_nothing"}, "previous_response_id"),
     ({"model": MODEL, "input": [{"type": "item_reference", "id": "msg_nothing"}]}, "input[0].id"),
     ({"model": MODEL}, "input"),
+    # item fields that are not what the API's types say (each was a 500)
+    ({"model": MODEL, "input": [{"role": "user", "content": "hi", "id": [1]}]}, "input[0].id"),
+    ({"model": "no-such-model", "input": [{"role": "user", "content": "hi", "id": [1]}]}, "input[0].id"),
+    ({"model": MODEL, "input": [{"role": "user", "content": "hi", "status": {}}]}, "input[0].status"),
+    ({"model": MODEL, "input": [{**CALL, "caller": "x"}, OUTPUT]}, "input[0].caller"),
+    ({"model": MODEL, "input": [{**CALL, "caller": {"type": "program"}}, OUTPUT]}, "input[0].caller.caller_id"),
+    ({"model": MODEL, "input": [{**CALL, "caller": {"type": "program", "caller_id": [1]}}, OUTPUT]},
+     "input[0].caller.caller_id"),
+    ({"model": MODEL, "input": [{**CALL, "caller": {"type": "robot"}}, OUTPUT]}, "input[0].caller"),
+    # a sub-agent model that nothing serves: refused before the plan's turn, not when the agents start
+    ({"model": MODEL, "input": "hi", "multi_agent": {"enabled": True, "subagent_model": "no-such-model"}},
+     "multi_agent.subagent_model"),
 ])
 def test_bad_requests_are_openai_shaped_400s(real, body, param):
     server, _, _ = real
@@ -161,6 +186,30 @@ def test_bad_requests_are_openai_shaped_400s(real, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+
+
+def test_a_refused_request_stores_nothing(real):
+    server, client, db = real
+    client.responses.create(model=MODEL, input="hi", max_output_tokens=1)  # makes the table
+    before = stored(db)
+    r = httpx.post(server.base_url + "/v1/responses", json={"model": MODEL, "input": [
+        {"role": "user", "content": "hi"}, {**CALL, "caller": "x"}, OUTPUT]}, timeout=30)
+    assert r.status_code == 400 and stored(db) == before
+
+
+@pytest.fixture(scope="module")
+def a_stored_response(real):
+    return real[1].responses.create(model=MODEL, input="hi", max_output_tokens=1).id
+
+
+# '²' and '١' pass str.isdigit() and not int(); 5,000 digits pass isdigit() and not int() either
+@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "0", "101", "-1", "1.5", " 7", "\u0661"])
+def test_input_items_limit_is_an_integer_from_1_to_100(real, a_stored_response, limit):
+    server, _, _ = real
+    r = httpx.get(f"{server.base_url}/v1/responses/{a_stored_response}/input_items", params={"limit": limit},
+                  timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "limit"
 
 
 def test_unknown_model_and_too_long_input(real):
@@ -244,6 +293,68 @@ def test_each_response_accounts_for_its_turns_and_the_task_so_far(scripted):
     assert task["input_tokens"] == first.usage.input_tokens + second.usage.input_tokens
     assert task["cost_usd"] == pytest.approx(a1["cost_usd"] + a2["cost_usd"])
     assert client.responses.retrieve(second.id).model_extra["accounting"]["task"] == task
+
+
+def test_delete_of_a_streaming_response_ends_its_stream_with_a_terminal_event(scripted):
+    client, script = scripted
+    started = threading.Event()
+
+    async def hold(body):  # type: ignore[no-untyped-def]
+        started.set()
+        await asyncio.sleep(3600)  # a turn that would run on for an hour
+
+    script.policy = hold
+    base = str(client.base_url)
+    try:
+        with httpx.stream("POST", base + "responses", json={"model": MODEL, "input": "hi", "stream": True},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["type"] == "response.in_progress":
+                        break
+            assert started.wait(10)
+            rid = events[0]["response"]["id"]
+            deleted = httpx.delete(f"{base}responses/{rid}", timeout=10)
+            assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+            events += [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    finally:
+        script.policy = None
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"], events[-3:]
+    assert events[-2]["code"] == "response_cancelled"
+    assert events[-1]["response"]["status"] == "cancelled" and events[-1]["response"]["id"] == rid
+    with pytest.raises(openai.NotFoundError):  # deleted stays deleted: the end of the stream did not store it
+        client.responses.retrieve(rid)
+
+
+def test_a_response_cut_by_shutdown_is_incomplete_interrupted(smollm, tmp_path):
+    """Not `max_output_tokens`: the client can tell a cut response from one that ran out of budget."""
+    db = tmp_path / "state.db"
+    server = start_server(smollm, names=[MODEL], state_db=db)
+
+    def shut_down() -> None:  # what GracefulServer does when its grace period is over (wafer/server/main.py)
+        server.served.engine.accepting = False
+        server.served.engine.finish_all("length")
+
+    events = []
+    try:
+        body = {"model": MODEL, "input": "Write a long story about a cat.", "stream": True, "max_output_tokens": 400}
+        with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if [e["type"] for e in events].count("response.output_text.delta") == 2:
+                        server.server.loop.call_soon_threadsafe(shut_down)
+    finally:
+        server.stop()
+    final = events[-1]
+    assert final["type"] == "response.incomplete", [e["type"] for e in events[-3:]]
+    assert final["response"]["incomplete_details"] == {"reason": "interrupted"}
+    assert final["response"]["usage"]["output_tokens"] < 400
+    kept = ResponseStore(db).get(final["response"]["id"])[0]
+    assert kept["status"] == "incomplete" and kept["incomplete_details"] == {"reason": "interrupted"}
 
 
 def test_reasoning_comes_as_a_reasoning_item_before_the_answer(scripted):

@@ -189,6 +189,39 @@ def test_an_agent_waiting_on_a_client_tool_pauses_the_tree(scripted):
     script.policy = None
 
 
+def test_ultra_by_model_name_on_chat_completions(scripted):
+    """Any chat client reaches Ultra by the name alone: the synthesis is the message, the plan and the
+    agents' work its reasoning, streamed or not."""
+    client, script = scripted
+    script.policy = Team(2)
+    try:
+        r = client.chat.completions.create(model=MODEL + "-ultra", max_tokens=50, extra_body={"multi_agent": {
+            "max_concurrent_subagents": 2}}, messages=[{"role": "user", "content": "Weather in two cities?"}])
+        assert r.model == MODEL + "-ultra" and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == "Summary: result of agent_1; result of agent_2"
+        thought = r.choices[0].message.model_extra["reasoning_content"]
+        assert "[agent_1] result of agent_1" in thought and "[agent_2] result of agent_2" in thought
+        assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        chunks = list(client.chat.completions.create(
+            model=MODEL + "-ultra", max_tokens=50, stream=True, stream_options={"include_usage": True},
+            extra_body={"multi_agent": {"max_concurrent_subagents": 2}},
+            messages=[{"role": "user", "content": "Weather in two cities?"}]))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content
+        assert "[agent_2] result of agent_2" in "".join((d.model_extra or {}).get("reasoning_content") or ""
+                                                       for d in deltas)
+        assert chunks[-1].usage.completion_tokens > 0
+    finally:
+        script.policy = None
+    # what only the Responses API's items can carry: a 400 that says where to go
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL + "-ultra", messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert "/v1/responses" in e.value.body["message"] and e.value.body["param"] == "tools"
+    with pytest.raises(openai.NotFoundError):  # the name of no model, -ultra or not
+        client.chat.completions.create(model="no-such-model-ultra", messages=[{"role": "user", "content": "x"}])
+
+
 def test_n_is_bounded(scripted):
     client, _ = scripted
     for n in (0, 17, "4"):
@@ -262,7 +295,7 @@ def test_delete_cancels_a_response_being_made(real):
     t.join(60)
     assert not t.is_alive()
     server.wait_idle(30)
-    assert "r" not in result
+    assert result["r"].status == "cancelled", result  # what the waiting request gets: the response, stopped
 
 
 def test_the_agents_sdk_reaches_ultra_and_max_by_model_name_and_effort(scripted):

@@ -25,12 +25,12 @@ def _prompt_tokens_per_step(engine: LLMEngine, long_prompt: list[int]) -> list[i
 def test_a_long_prompt_is_read_in_steps_of_bounded_time(smollm):
     long_prompt = list(range(100, 400))
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
-                                            prefix_caching=False, prefill_step_seconds=0.02))
-    # as if learned: 20 prompt tokens fit in the step's 20 ms on this machine's compute threads
+                                            prefix_caching=False, prefill_step_seconds=0.04))
+    # as if learned: 40 prompt tokens fit in the step's 40 ms on this machine's compute threads
     engine.budget.costs.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
     engine.budget.observe = lambda scheduled, seconds: None  # and kept, whatever this machine's cost
     counts = _prompt_tokens_per_step(engine, long_prompt)
-    assert max(counts[:-1]) <= 20 and max(counts) <= 20, counts
+    assert max(counts[:-1]) <= 40 and max(counts) <= 40, counts
 
     free = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                           prefix_caching=False))
@@ -41,7 +41,7 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
     """With no one decoding, the step still holds the server's loop (which answers every other
     request) for as long as it runs."""
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
-                                            prefix_caching=False, prefill_step_seconds=0.02))
+                                            prefix_caching=False, prefill_step_seconds=0.04))
     engine.budget.costs.observe(torch.get_num_threads(), 1, 0, 0.001 * torch.get_num_threads())
     engine.budget.observe = lambda scheduled, seconds: None  # keep the cost as set, whatever this machine's
     seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
@@ -50,24 +50,24 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
         before = seq.num_cached
         engine.step()
         counts.append(seq.num_cached - before)
-    assert sum(counts) >= 299 and max(counts) <= 20, counts
+    assert sum(counts) >= 299 and max(counts) <= 40, counts
 
 
 def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smollm):
     """Attention makes a token at position p cost more than one at 0: with a cost learned as 1 ms a
-    token plus 1% of that a position, each step's prompt work stays within 20 ms of it (a chunk of
+    token plus 1% of that a position, each step's prompt work stays within 60 ms of it (a chunk of
     at least MIN_CHUNK tokens), so the chunks shrink as the prompt goes on."""
     from wafer.engine.scheduler import MIN_CHUNK
     from wafer.engine.step_cost import positions_of
 
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
-                                            prefix_caching=False, prefill_step_seconds=0.02))
+                                            prefix_caching=False, prefill_step_seconds=0.06))
     threads = torch.get_num_threads()
     for tokens, positions in [(10, 0), (10, 1000), (20, 5000)]:  # a = 1 ms, b = 0.01 ms, per core
         engine.budget.costs.observe(threads, tokens, positions, threads * (0.001 * tokens + 0.00001 * positions))
     engine.budget.observe = lambda scheduled, seconds: None
     cap, per_position = engine.budget.cap()
-    assert cap == 20 and abs(per_position - 0.01) < 1e-9
+    assert cap == 60 and abs(per_position - 0.01) < 1e-9
     seq = engine.add(list(range(100, 400)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     chunks = []
     while not seq.finished:
@@ -76,8 +76,8 @@ def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smoll
         chunks.append((before, seq.num_cached - before))
     assert sum(n for _, n in chunks) >= 299
     for start, n in chunks[:-1]:
-        assert n + per_position * positions_of(start, n) <= 20 or n == MIN_CHUNK, chunks
-    assert chunks[0][1] == 18 and chunks[-2][1] == MIN_CHUNK, chunks  # 18 at the start, the least far in
+        assert n + per_position * positions_of(start, n) <= 60 or n == MIN_CHUNK, chunks
+    assert chunks[0][1] == 48 and chunks[-2][1] == MIN_CHUNK, chunks  # 48 at the start, the least far in
 
 
 def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
@@ -133,16 +133,16 @@ def test_more_requests_than_the_kv_budget_holds_all_finish_as_alone(smollm):
     assert most <= 12 and engine.blocks.num_used == 0 and engine.blocks.usage == 0.0
 
 
-def _small_scheduler(num_blocks: int = 32, max_len: int = 128):
-    """A scheduler over the blocks of a one-layer model of no weights: four slots."""
+def _small_scheduler(num_blocks: int = 32, max_len: int = 128, slots: int = 4):
+    """A scheduler over the blocks of a one-layer model of no weights: four slots by default."""
     from wafer.engine.block_manager import BlockManager
     from wafer.engine.scheduler import Scheduler
     from wafer.models.config import ModelConfig
 
     cfg = ModelConfig("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=4, max_position_embeddings=512)
-    blocks = BlockManager(cfg, num_slots=4, max_len=max_len, num_blocks=num_blocks)
-    return blocks, Scheduler(blocks, max_running=4, max_batched_tokens=256)
+    blocks = BlockManager(cfg, num_slots=slots, max_len=max_len, num_blocks=num_blocks)
+    return blocks, Scheduler(blocks, max_running=slots, max_batched_tokens=256)
 
 
 def test_sequences_in_flight_are_neither_scheduled_nor_preempted():
@@ -263,3 +263,35 @@ def test_a_burst_with_one_system_prompt_computes_it_once(smollm):
     assert together == alone
     hits = engine.blocks.prefix_hit_tokens
     assert hits >= 3 * (len(system) // BLOCK - 1) * BLOCK, (hits, len(system))
+
+
+def test_a_long_prompt_beside_decoders_is_read_in_chunks_of_min_chunk_or_more_and_none_of_them_waits():
+    """Issue 54's probe: on a loaded machine the learned cost of a token shrank the step's prompt
+    work to 8 tokens, and a 3,495-token prompt beside 4 streams took 127 s (3 s alone). However small
+    the cap, each step decodes every stream and reads MIN_CHUNK or more of the prompt."""
+    from wafer.engine.kv_layout import BLOCK
+    from wafer.engine.scheduler import MIN_CHUNK
+    from wafer.engine.sequence import Sequence
+
+    blocks, sched = _small_scheduler(num_blocks=5 * (4096 // BLOCK), max_len=4096, slots=5)
+    streams = [Sequence(list(range(1, 200)), SamplingParams(max_tokens=3000)) for _ in range(4)]
+    for s in streams:
+        sched.add(s)
+    while any(s.num_cached < len(s.tokens) for s in streams):  # their prompts in; they decode from here
+        _computed(blocks, sched.schedule())
+    for s in streams:
+        s.tokens.append(7)
+    prompt = Sequence(list(range(500, 500 + 3495)), SamplingParams(max_tokens=1))
+    sched.add(prompt)
+    steps = []
+    while prompt.num_cached < len(prompt.tokens) and len(steps) < 1000:
+        out = sched.schedule(prefill_cap=8, per_position=1.5e-3)  # the loaded machine's cap, and attention's cost
+        _computed(blocks, out)
+        for item in out:
+            if item.seq is not prompt:
+                item.seq.tokens.append(7)  # each decoder's token
+        steps.append(([i.seq for i in out if i.seq is not prompt], sum(i.count for i in out if i.seq is prompt)))
+    assert all(decoders == streams for decoders, _ in steps), "a step left a stream waiting"
+    chunks = [n for _, n in steps]
+    assert min(chunks[:-1]) >= MIN_CHUNK >= 32, chunks
+    assert len(steps) <= -(-3495 // MIN_CHUNK), len(steps)

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.serving import MODEL, start_server
+from wafer.errors import server_error
 
 OK_MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -134,6 +135,13 @@ CASES = [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
             "name": "f", "arguments": "[" * 100000}}]},
         {"role": "tool", "tool_call_id": "1", "content": "x"}]), 400, "messages", "context_length_exceeded"),
+    # bench/fuzz.py found it (issue 54): llguidance cannot write an integer past 64 bits as JSON
+    ("json_schema with an integer past 64 bits", "POST", CHAT, chat(response_format={"type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "integer", "maximum": 10**20}}}), 400,
+     "response_format.json_schema.schema", None),
+    ("tool message without tool_call_id", "POST", CHAT, chat(messages=[{"role": "user", "content": "hi"},
+                                                                      {"role": "tool", "content": "x"}]),
+     400, "messages[1].tool_call_id", None),
     ("unknown model card", "GET", "/v1/models/nope", None, 404, "model", "model_not_found"),
     ("unknown route", "GET", "/v1/nothing", None, 404, None, None),
     ("wrong method", "GET", CHAT, None, 405, None, None),
@@ -267,6 +275,11 @@ def test_api_keys_from_flag_environment_and_file(tmp_path):
     assert api_keys(["sk-flag"], str(f), {"WAFER_API_KEY": "sk-env-1, sk-env-2"}) == [
         "sk-flag", "sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2"]
     assert api_keys([], None, {}) == []
+    # A blank key would leave the server open without a word: refused, wherever it comes from.
+    for given, env in (([""], {}), (["  "], {}), (["sk-1", ""], {}), ([], {"WAFER_API_KEY": ""}),
+                       ([], {"WAFER_API_KEY": "sk-1,,sk-2"})):
+        with pytest.raises(ConfigError, match="empty"):
+            api_keys(given, None, env)
     with pytest.raises(ConfigError, match="no such file|No such file"):
         api_keys([], str(tmp_path / "missing"), {})
     (tmp_path / "empty").write_text("# nothing\n")
@@ -309,6 +322,23 @@ def test_unexpected_failure_is_a_500_that_keeps_the_connection(server, monkeypat
         assert reply.startswith(b"HTTP/1.1 500"), reply[:200]
         err = json.loads(reply.split(b"\r\n", 1)[1])["error"]
         assert err["type"] == "server_error" and err["code"] == "internal_error"
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("a bug"), server_error("A failure with no id.")],
+                         ids=["unhandled", "api-error"])
+def test_a_500_names_its_request_id(server, monkeypatch, failure):
+    """The id is in the message and in `x-request-id`, as OpenAI's are: what the log names the failure by."""
+    from wafer.server.chat import ChatHandler
+
+    async def broken(self, req, request):
+        raise failure
+
+    monkeypatch.setattr(ChatHandler, "chat", broken)
+    r = httpx.post(server.base_url + CHAT, json=chat(max_tokens=1), timeout=30)
+    assert r.status_code == 500
+    err = check_shape(r)
+    rid = r.headers.get("x-request-id")
+    assert rid and rid.startswith("req_") and f"(request id {rid})" in err["message"], (r.headers, err)
 
 
 def test_openapi_describes_the_request_bodies(server):

@@ -20,13 +20,14 @@ flake would be too loose to mean anything; bench/fuzz.py judges the 100 ms on a 
 
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
 import pytest
 
 from bench.fuzz_run import error_shape_problem, judge, run_fuzz
-from tests.serving import MODEL
+from tests.serving import MODEL, start_server
 from wafer.engine.compute_threads import release_compute_threads
 
 FUZZ_REQUESTS = 500
@@ -44,11 +45,27 @@ FOUND = [
                  b'[{"role": "user", "content": "hi \xed\xa0\x80"}]}', id="surrogate-bytes-chat"),
     pytest.param("/v1/completions", b'{"model": "SmolLM2-135M-Instruct", "max_tokens": 1, "prompt": "hi \xed\xa0\x80"}',
                  id="surrogate-bytes-completions"),
+    # issue 54's probe
+    pytest.param("/v1/responses", b'{"model": "no-such-model", "input": [{"role": "user", "content": "hi", '
+                 b'"id": [1]}]}', id="responses-item-id-a-list"),
+    pytest.param("/v1/responses", b'{"model": "SmolLM2-135M-Instruct", "input": [{"type": "function_call", '
+                 b'"call_id": "c", "name": "f", "arguments": "{}", "caller": "x"}, {"type": "function_call_output", '
+                 b'"call_id": "c", "output": "o"}]}', id="responses-caller-a-string"),
+    pytest.param("/v1/responses/resp_x/input_items?limit=%C2%B2", None, id="responses-limit-superscript"),
 ]
 
 
+@pytest.fixture(scope="module")
+def fuzzed(smollm, tmp_path_factory):
+    """A server of its own: the run's stored responses go to a file of its own, not the data directory."""
+    server = start_server(smollm, state_db=tmp_path_factory.mktemp("fuzz-state") / "state.db")
+    yield server
+    server.stop()
+
+
 @pytest.mark.timeout(420)
-def test_fuzzed_requests_get_no_5xx_and_only_openai_shaped_errors(server, capsys):
+def test_fuzzed_requests_get_no_5xx_and_only_openai_shaped_errors(fuzzed, capsys):
+    server = fuzzed
     release_compute_threads()  # this thread computed nothing, but an earlier test's may have
     report = run_fuzz(server.base_url, MODEL, FUZZ_REQUESTS, SEED, concurrency=4, bound=30.0, budget_s=BUDGET_S,
                       longest=LONGEST)
@@ -84,9 +101,26 @@ def test_the_judge_fails_what_it_must():
     refused = b'data: {"choices": []}\n\ndata: ' + good + b"\n\n"
     assert judge(200, "text/event-stream", refused) == ("200 stream-error invalid_request_error", None)
 
+    def responses(*events: dict) -> bytes:
+        return b"".join(f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': i})}\n\n".encode()
+                        for i, e in enumerate(events))
+
+    head = [{"type": "response.created"}, {"type": "response.in_progress"}]
+    assert judge(200, "text/event-stream", responses(*head, {"type": "response.completed"})) == ("200", None)
+    assert judge(200, "text/event-stream", responses(*head))[1] is not None  # no terminal event: cut short
+    cancelled = responses(*head, {"type": "error", "code": "response_cancelled", "message": "m", "param": None},
+                          {"type": "response.failed"})
+    assert judge(200, "text/event-stream", cancelled) == ("200 stream-error response_cancelled", None)
+    status, problem = judge(200, "text/event-stream", cancelled.replace(b"response_cancelled", b"internal_error"))
+    assert status == "200 stream-error server_error" and problem is not None  # counted as a 5xx
+    skipped = responses(*head, {"type": "response.completed"}).replace(b'"sequence_number": 2', b'"sequence_number": 5')
+    assert judge(200, "text/event-stream", skipped)[1] is not None
+
 
 @pytest.mark.parametrize("path, body", FOUND)
-def test_what_the_fuzzer_found_gets_an_openai_shaped_400(server, path, body):
-    r = httpx.post(server.base_url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+def test_what_the_fuzzer_found_gets_an_openai_shaped_400(fuzzed, path, body):
+    method = "GET" if body is None else "POST"
+    r = httpx.request(method, fuzzed.base_url + path, content=body, headers={"Content-Type": "application/json"},
+                      timeout=60)
     assert r.status_code == 400, r.text
     assert error_shape_problem(r.json()) is None

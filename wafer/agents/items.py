@@ -106,6 +106,31 @@ def _content(content: Any, role: str, param: str) -> list[dict[str, Any]]:
     return parts
 
 
+def _id(item: dict[str, Any], prefix: str, param: str) -> str:
+    """The item's own id (a string), else a new one: ids are what `item_reference` and
+    `input_items?after=` look items up by."""
+    given = item.get("id")
+    if given is None:
+        return new_id(prefix)
+    if not isinstance(given, str) or not given:
+        raise bad_request(f"Invalid value for '{param}.id': expected a non-empty string.", f"{param}.id")
+    return given
+
+
+def _caller(caller: Any, param: str) -> dict[str, Any] | None:
+    """A function call's `caller`, as the API's types have it: absent or null, `{"type": "direct"}`,
+    or `{"type": "program", "caller_id": "<the program's call id>"}`."""
+    if caller is None:
+        return None
+    kind = caller.get("type") if isinstance(caller, dict) else None
+    if kind == "direct":
+        return {"type": "direct"}
+    if kind == "program":
+        return {"type": "program", "caller_id": _text(caller.get("caller_id"), f"{param}.caller_id")}
+    raise bad_request(f"Invalid value for '{param}': expected null, {{\"type\": \"direct\"}} or "
+                      "{\"type\": \"program\", \"caller_id\": \"...\"}.", param)
+
+
 def _item(item: Any, param: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise bad_request(f"Invalid value for '{param}': expected an object.", param)
@@ -115,38 +140,53 @@ def _item(item: Any, param: str) -> dict[str, Any]:
         if role not in ("user", "assistant", "system", "developer"):
             raise bad_request(f"Invalid value for '{param}.role': {role!r}; expected user, assistant, system or "
                               "developer.", f"{param}.role")
-        return {"id": item.get("id") or new_id("msg"), "type": "message", "role": role,
-                "status": item.get("status") or "completed",
+        return {"id": _id(item, "msg", param), "type": "message", "role": role,
+                "status": _status(item, param),
                 "content": _content(item.get("content"), role, f"{param}.content")}
     if kind == "function_call":
         for key in ("call_id", "name", "arguments"):
             _text(item.get(key), f"{param}.{key}")
-        return {"id": item.get("id") or new_id("fc"), **{k: v for k, v in item.items() if k != "id"},
-                "status": item.get("status") or "completed"}
+        out = {**item, "id": _id(item, "fc", param), "status": _status(item, param)}
+        caller = _caller(item.get("caller"), f"{param}.caller")
+        if caller is None:
+            out.pop("caller", None)
+        else:
+            out["caller"] = caller
+        return out
     if kind == "function_call_output":
         _text(item.get("call_id"), f"{param}.call_id")
         output = item.get("output")
         if isinstance(output, list):  # content parts: their text
             output = "".join(_text(p.get("text", "") if isinstance(p, dict) else p, f"{param}.output")
                              for p in output)
-        return {"id": item.get("id") or new_id("fco"), **item, "output": _text(output, f"{param}.output"),
-                "status": item.get("status") or "completed"}
+        return {**item, "id": _id(item, "fco", param), "output": _text(output, f"{param}.output"),
+                "status": _status(item, param)}
     if kind == "program":
         _text(item.get("call_id"), f"{param}.call_id")
         _text(item.get("code"), f"{param}.code")
-        return {"id": item.get("id") or new_id("prog"), "fingerprint": "", **item}
+        return {"fingerprint": "", **item, "id": _id(item, "prog", param)}
     if kind == "program_output":
         _text(item.get("call_id"), f"{param}.call_id")
         _text(item.get("result"), f"{param}.result")
-        return {"id": item.get("id") or new_id("progout"), "status": "completed", **item}
+        return {**item, "id": _id(item, "progout", param), "status": _status(item, param)}
     if kind == "reasoning":
-        return {"id": item.get("id") or new_id("rs"), "summary": [], **item}
+        return {"summary": [], **item, "id": _id(item, "rs", param)}
     if kind == "item_reference":
         _text(item.get("id"), f"{param}.id")
         return dict(item)
     raise bad_request(f"Invalid value for '{param}.type': {kind!r} is not an input item type this server "
                       "supports (message, function_call, function_call_output, program, program_output, "
                       "reasoning, item_reference).", f"{param}.type")
+
+
+def _status(item: dict[str, Any], param: str) -> str:
+    status = item.get("status")
+    if status is None:
+        return "completed"
+    if status not in ("in_progress", "completed", "incomplete"):
+        raise bad_request(f"Invalid value for '{param}.status': expected in_progress, completed or incomplete.",
+                          f"{param}.status")
+    return status
 
 
 def _plain(content: list[dict[str, Any]]) -> str:

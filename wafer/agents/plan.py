@@ -3,6 +3,7 @@ model turns have produced so far (also the state of each sub-agent of an Ultra r
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,10 +40,17 @@ class Plan:
     # Its answer draws on text it was given (Ultra's synthesis of its agents' results): the local
     # engine drafts it by prompt lookup.
     copies_input: bool = False
+    step: asyncio.Future[Any] | None = None  # the body's step under way, which cancel() stops
+    cancelled: bool = False  # DELETE stopped it before its end
     output: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=lambda: {"input": 0, "cached": 0, "output": 0, "reasoning": 0})
     accounting: dict[str, Any] = field(default_factory=lambda: {
         "turns": [], "tool_calls": {"direct": 0, "programmatic": 0}, "programs": []})
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.step is not None:
+            self.step.cancel()
 
 
 class Events:

@@ -24,7 +24,7 @@ from wafer.agents.sandbox import Limits, SandboxUnavailable, check_sandbox
 from wafer.agents.store import ResponseStore
 from wafer.agents.ultra import Ultra, resumable, settings
 from wafer import tracing
-from wafer.errors import APIError, bad_request
+from wafer.errors import APIError, bad_request, server_error
 
 log = logging.getLogger("wafer.agents")
 
@@ -45,8 +45,7 @@ class ResponsesService:
         self.prices = prices or {}
         # Called with every finished response (the server counts them in its metrics).
         self.on_finish: list[Callable[[dict[str, Any]], None]] = []
-        # responses being made, by id, with their tenant: what DELETE cancels
-        self.active: dict[str, tuple[asyncio.Task[Any], str | None]] = {}
+        self.active: dict[str, Plan] = {}  # responses being made, by id, with their tenant: what DELETE cancels
         self.backend = backend
         self.store = store
         self.pool = pool or ProgramPool()
@@ -62,9 +61,10 @@ class ResponsesService:
 
     async def delete(self, rid: str, tenant: str | None = None) -> dict[str, Any]:
         running = self.active.get(rid)
-        if running is not None and running[1] == tenant:  # still being made: cancelling it stops its agents
+        if running is not None and running.tenant == tenant:
+            # still being made: it stops, every agent and program of it, and is not stored
             del self.active[rid]
-            running[0].cancel()
+            running.cancel()
         else:
             running = None
         if not await asyncio.to_thread(self.store.delete, rid, tenant) and running is None:
@@ -113,6 +113,7 @@ class ResponsesService:
             ultra = {k: ultra_state[k] for k in ("n", "subagent_model", "agent_tokens")}
         req = req.model_copy(update={"model": model})
         new = await asyncio.to_thread(input_items, req.input)  # grows with the input: off the loop
+        self._check_models(model, ultra)
         known = {i.get("id"): i for i in history + new if i.get("type") != "item_reference"}
         for i, item in enumerate(new):
             if item["type"] == "item_reference":
@@ -138,6 +139,20 @@ class ResponsesService:
                 raise bad_request(f"The program {plan.resume.call_id} waits on the outputs of calls "
                                   f"{', '.join(sorted(missing))}; send them all together.", "input")
         return plan
+
+    def _check_models(self, model: str, ultra: dict[str, Any] | None) -> None:
+        """The models the response's turns will ask for, known before the first turn: an unknown
+        sub-agent model would otherwise fail only after the plan's turn, many seconds in."""
+        check = getattr(self.backend, "check_model", None)
+        if check is None:
+            return
+        check(model)
+        if ultra is not None and ultra["subagent_model"] != model:
+            try:
+                check(ultra["subagent_model"])
+            except APIError as e:
+                raise bad_request(f"Invalid value for 'multi_agent.subagent_model': {e.message}",
+                                  "multi_agent.subagent_model", "model_not_found") from None
 
     def _tools(self, req: ResponseRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
         chat: list[dict[str, Any]] = []
@@ -233,26 +248,43 @@ class ResponsesService:
         yield ev("response.created", response=self.response(plan, "in_progress"))
         yield ev("response.in_progress", response=self.response(plan, "in_progress"))
         status, error, incomplete = "completed", None, None
-        self.active[plan.rid] = (asyncio.current_task(), plan.tenant)  # type: ignore[assignment]
+        self.active[plan.rid] = plan
         body = Ultra(self).run(plan, ev) if plan.ultra is not None else self._turns(plan, ev)
         try:
-            async for event in body:
+            while not plan.cancelled:
+                # Each step a task of its own, which DELETE cancels: the body stops where it is (its
+                # turns, agents and programs with it) and this stream goes on to its terminal event.
+                plan.step = asyncio.ensure_future(_next(body))
+                try:
+                    event = await plan.step
+                except asyncio.CancelledError:
+                    if not plan.cancelled or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                        raise  # not DELETE's: the request itself is cancelled (its client went)
+                    break
+                if event is None:
+                    break
                 if event["type"] == "incomplete":
                     status, incomplete = "incomplete", event["reason"]
                     continue
                 yield event
+            if plan.cancelled:
+                # OpenAI's status for a response stopped before its end; its streams have no event of
+                # that name, so the stream ends as a failure does: an error event, then response.failed.
+                status, error, incomplete = "cancelled", None, None
+                yield ev("error", code="response_cancelled", param=None,
+                         message=f"The response {plan.rid} was deleted while in progress.")
         except Exception as e:  # noqa: BLE001 - a failure of this response, not of the server
             if isinstance(e, APIError):
                 failure = e
             else:
                 log.exception("response %s failed", plan.rid)
-                failure = APIError(500, f"Internal error (response id {plan.rid}).", "server_error", None,
-                                   "internal_error")
+                failure = server_error("Internal error.", plan.rid)  # the log names it by the response's id
             plan.failure = failure
             status, error = "failed", {"code": failure.code or "server_error", "message": failure.message}
             yield ev("error", code=failure.code, message=failure.message, param=failure.param)
         finally:
             self.active.pop(plan.rid, None)
+            await body.aclose()  # a body left mid-way closes its turns' streams (their sequences end)
             for program in plan.running:  # started here and not parked: a response cut short frees them
                 await program.kill()
         self._totals(plan)
@@ -264,9 +296,9 @@ class ResponsesService:
                 span.fail(error["message"])
         for hook in self.on_finish:
             hook(final)
-        if plan.req.store:
+        if plan.req.store and not plan.cancelled:  # a deleted response stays deleted
             await asyncio.to_thread(self.store.put, final, plan.new_items, plan.accounting, plan.tenant)
-        yield ev({"completed": "response.completed", "failed": "response.failed",
+        yield ev({"completed": "response.completed", "failed": "response.failed", "cancelled": "response.failed",
                   "incomplete": "response.incomplete"}[status], response=final)
 
     def _totals(self, plan: Plan) -> None:
@@ -452,6 +484,8 @@ class ResponsesService:
                 yield event
         if finish == "length":
             yield {"type": "incomplete", "reason": "max_output_tokens"}
+        elif finish == "interrupted":  # a backend's own reason: the server's shutdown cut the turn
+            yield {"type": "incomplete", "reason": "interrupted"}
 
     async def _close_reasoning(self, plan: Plan, ev: Events, item: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         index = plan.output.index(item)
@@ -563,6 +597,14 @@ class ResponsesService:
         plan.running.remove(program)
         self.pool.park(Parked(program, call_id, {c.call_id: c for c in result}, plan.rid, started, 0.0, ran,
                               plan.tenant))
+
+
+async def _next(body: AsyncIterator[dict[str, Any]]) -> dict[str, Any] | None:
+    """The body's next event, or None at its end (StopAsyncIteration cannot end a task's coroutine)."""
+    try:
+        return await anext(body)
+    except StopAsyncIteration:
+        return None
 
 
 def mode_of(plan: Plan) -> str:

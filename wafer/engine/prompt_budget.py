@@ -9,6 +9,10 @@ from wafer.engine.scheduler import MIN_CHUNK, ScheduledSeq
 from wafer.engine.step_cost import StepCosts, positions_of
 
 
+# A step of fewer prompt tokens teaches nothing of their cost: its fixed cost would swamp them.
+LEARN_FROM = 8
+
+
 class PromptBudget:
     def __init__(self, step_seconds: float | None) -> None:
         """`step_seconds`: the prompt work a step may take, in seconds (None: no limit)."""
@@ -28,7 +32,7 @@ class PromptBudget:
     def observe(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
         """Learn the cost of a token from a step of some prompt work."""
         prompt = sum(max(0, min(item.count, item.seq.num_prompt - item.start)) for item in scheduled)
-        if prompt >= MIN_CHUNK:
+        if prompt >= LEARN_FROM:
             self.costs.observe(torch.get_num_threads(), sum(item.count for item in scheduled),
                                sum(positions_of(item.start, item.count) for item in scheduled),
                                seconds * torch.get_num_threads())

@@ -25,9 +25,14 @@ from wafer.engine.sequence import Sequence, Status
 from wafer.engine.speculative.draft_tree import DraftTree
 from wafer.engine.step_cost import positions_of, tokens_within
 
-# A prompt that gets a chunk in a step gets at least this many of its tokens, however far into a
-# long context it is and however little of the step's prompt work is left.
-MIN_CHUNK = 8
+# A prompt that gets a chunk in a step gets at least this many of its tokens (or its rest), however
+# far into a long context it is and however little of the step's prompt work is left, and a step's
+# prompt work is never less than this many tokens at position 0. A step costs its decoders, its
+# sampling and its loop's turn whatever its chunk: in chunks of 8 a long prompt pays that many times
+# over (on a loaded machine, where the learned cost of a token had shrunk the budget to 8, a
+# 3,495-token prompt took 127 s beside 4 streams where alone it took 3 s), and the streams beside
+# it, each step a token, wait through all of those steps.
+MIN_CHUNK = 32
 # The share of a step's prompt work (prefill_step_ms) that background prompts may take: a step is
 # what an interactive request that arrives during it waits for before its own prompt is read, and
 # batch work keeps those steps short.
@@ -169,7 +174,7 @@ class Scheduler:
                     budget -= 1
             else:
                 prefilling.append(seq)
-        work = float(prefill_cap) if prefill_cap is not None else math.inf
+        work = float(max(MIN_CHUNK, prefill_cap)) if prefill_cap is not None else math.inf
         background_work = work * BACKGROUND_PROMPT_SHARE
 
         def within(start: int, background: bool) -> int:  # prompt tokens from `start` that the work left allows

@@ -43,6 +43,7 @@ from wafer.server.tenants import Gate, Tenancy
 from wafer.server.loop_monitor import LoopMonitor
 from wafer.server.openapi import install_openapi
 from wafer.server.streaming import EventStreamResponse
+from wafer.server.ultra_chat import ULTRA, ultra_chat
 from wafer.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("wafer.server")
@@ -67,7 +68,8 @@ class BodyLimit:
         too_big = APIError(413, f"Request body too large (limit {limit} bytes).", "invalid_request_error",
                            None, "request_too_large")
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        # Too many digits for any body (and for int(), past 4,300) is over the limit too.
+        if declared is not None and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
             await error_response(too_big)(scope, receive, send)
             return
         # Read the whole body here (it is small by definition), then replay it to the app.
@@ -296,10 +298,15 @@ def create_app(
     if responses is not None:
         responses.on_finish.append(metrics.agent_response)
 
+    def check_model(name: str) -> None:
+        if name not in router.names:
+            raise unknown_model(name, router)
+
     def responses_service() -> ResponsesService:
         if not agents:  # the store's file is made on the first use of the Responses API, not at start
-            agents.append(ResponsesService(InProcessChat(answer), ResponseStore(state_db), prices=prices,
-                                           subagent_model=subagent_model))
+            draining = lambda: not all(m.engine.accepting for m in served_list)  # noqa: E731
+            agents.append(ResponsesService(InProcessChat(answer, check_model, draining), ResponseStore(state_db),
+                                           prices=prices, subagent_model=subagent_model))
             agents[0].on_finish.append(metrics.agent_response)
         return agents[0]
 
@@ -516,7 +523,13 @@ def create_app(
 
     @v1.post("/chat/completions", dependencies=limited)
     async def chat(request: Request) -> Response:
-        return await dispatch("chat", request)
+        body = await read_json(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        # Ultra by its name alone, as on /v1/responses: a name of its own (an alias, say) is that name's.
+        if isinstance(model, str) and model.endswith(ULTRA) and model not in router.names \
+                and model.removesuffix(ULTRA) in router.names:
+            return await ultra_chat(responses_service(), body, request)
+        return await answer("chat", body, request)
 
     @v1.post("/completions", dependencies=limited)
     async def completions(request: Request) -> Response:
@@ -562,7 +575,9 @@ def create_app(
     async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
         q = request.query_params
         limit = q.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        # ASCII digits, at most three: isdigit() also takes '²', which int() refuses, and a number of
+        # thousands of digits, which int() refuses past 4,300.
+        if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
             raise APIError(400, "limit must be an integer from 1 to 100.", "invalid_request_error", "limit",
                            "invalid_value")
         order = q.get("order", "desc")

@@ -107,7 +107,10 @@ class ChatHandler(ReasonedChat):
                 param = "response_format.json_schema.schema"
                 schema = check_schema(req.response_format.json_schema.schema_, param)
                 strict = bool(req.response_format.json_schema.strict)
-            grammar = json_grammar(schema, strict)
+            try:
+                grammar = json_grammar(schema, strict)
+            except ValueError as e:  # what llguidance cannot read as JSON (an integer past 64 bits, say)
+                raise bad_request(f"the schema cannot be compiled into a grammar: {e}", param) from None
         else:
             return None
         try:

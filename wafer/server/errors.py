@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import logging
+import secrets
+
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wafer.errors import APIError, bad_request, server_error
 
-__all__ = ["APIError", "CatchAll", "bad_request", "error_response", "server_error"]
+__all__ = ["APIError", "CatchAll", "bad_request", "error_response", "new_request_id", "server_error"]
 
 log = logging.getLogger("wafer.server")
 
 
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
+
+
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    """The error as a reply. A 500 always carries a request id, in its message and its
+    `x-request-id` header, that the server's log names too: a 500 made without one gets one here."""
+    headers = dict(e.headers)
+    message = e.message
+    if e.status == 500 and "x-request-id" not in {k.lower() for k in headers}:
+        rid = new_request_id()
+        headers["x-request-id"] = rid
+        message = f"{message.rstrip('.')} (request id {rid})."
+        log.error("request %s answered 500: %s", rid, e.message)
+    body = APIError(e.status, message, e.type, e.param, e.code).body()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 class CatchAll:
@@ -42,5 +58,6 @@ class CatchAll:
         except Exception:
             if started:  # a streamed reply already under way: only closing the connection can end it
                 raise
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            await error_response(server_error("Internal server error."))(scope, receive, send)
+            rid = new_request_id()
+            log.exception("request %s: unhandled error on %s %s", rid, scope.get("method"), scope.get("path"))
+            await error_response(server_error("Internal server error.", rid))(scope, receive, send)

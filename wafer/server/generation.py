@@ -55,7 +55,7 @@ def _too_costly(e: GrammarTooCostly) -> APIError:
 def _unavailable(e: Exception, rid: str) -> APIError:
     log.error("request %s failed: %s", rid, e)
     return APIError(503, f"The model is unavailable: {e}; retry shortly (request id {rid}).",
-                    "server_error", None, "stage_failure", {"Retry-After": "5"})
+                    "server_error", None, "stage_failure", {"Retry-After": "5", "x-request-id": rid})
 _PING = object()  # put in a request's queue when ping_interval passes without an output
 TEXT_HOLE = "\x00wafer-text\x00"  # stands for a chunk's text in a pre-rendered event
 
@@ -379,14 +379,14 @@ class GenerationHandler:
             raise _unavailable(out, rid)
         if isinstance(out, EngineFailure):
             log.error("request %s failed in the engine: %s", rid, out)
-            raise server_error(f"The engine failed while processing the request (request id {rid}).")
+            raise server_error("The engine failed while processing the request.", rid)
         if isinstance(out, ValueError):
             raise bad_request(str(out))
         if isinstance(out, EngineStopped):
             raise _shutting_down(out)
         if isinstance(out, Exception):
             log.error("request %s failed: %r", rid, out)
-            raise server_error(f"Internal error (request id {rid}).")
+            raise server_error("Internal error.", rid)
         c.text += out.text
         c.tokens = out.num_output_tokens
         c.cached = out.num_cached_tokens
@@ -425,9 +425,9 @@ class GenerationHandler:
             return sse(_unavailable(e, rid).body())
         if isinstance(e, EngineFailure):
             log.error("request %s failed in the engine mid-stream: %s", rid, e)
-            return sse(server_error(f"The engine failed while processing the request (request id {rid}).").body())
+            return sse(server_error("The engine failed while processing the request.", rid).body())
         log.error("request %s failed mid-stream: %r", rid, e)
-        return sse(server_error(f"Internal error (request id {rid}).").body())
+        return sse(server_error("Internal error.", rid).body())
 
     async def _sse_stream(self, streams: list[EngineRequest], head: dict[str, Any], n_prompt: int,
                           include_usage: bool, opening: list[str],

@@ -15,6 +15,7 @@ from starlette.types import Message
 from wafer.errors import APIError, server_error
 
 Answer = Callable[[str, Any, Request], Awaitable[Response]]
+INTERRUPTED = "interrupted"  # the finish reason of a turn that the server's shutdown cut
 
 
 def in_process_request(body: dict[str, Any], path: str = "/v1/chat/completions", tenant: str | None = None) -> Request:
@@ -45,10 +46,15 @@ def _error(status: int, payload: Any) -> APIError:
 
 
 class InProcessChat:
-    """`wafer.agents.backend.ChatBackend` over the app's `answer`."""
+    """`wafer.agents.backend.CheckedBackend` over the app's `answer`."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer, check_model: Callable[[str], None],
+                 draining: Callable[[], bool] = lambda: False) -> None:
         self.answer = answer
+        self.check_model = check_model  # raises the 404 for a name that no model or upstream answers to
+        # Whether the server is shutting down: its last chunks say "length" for a sequence it cut
+        # (as OpenAI's clients expect), which to an agent is "interrupted", not a spent budget.
+        self.draining = draining
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -71,6 +77,9 @@ class InProcessChat:
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise _error(500, chunk)
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("finish_reason") == "length" and self.draining():
+                            choice["finish_reason"] = INTERRUPTED
                     yield chunk
         finally:
             close = getattr(iterator, "aclose", None)

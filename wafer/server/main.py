@@ -336,8 +336,17 @@ def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None 
     """The accepted keys: --api-key (which `ps` shows to every user of the machine), $WAFER_API_KEY
     (comma-separated) and --api-key-file (one key per line; blank lines and # comments skipped)."""
     env = os.environ if env is None else env
-    keys = [k for k in given if k]
-    keys += [k.strip() for k in env.get("WAFER_API_KEY", "").split(",") if k.strip()]
+    # A blank key (`--api-key "$KEY"` with KEY unset) would start a server open to anyone while its
+    # operator believes it keyed: refused, never dropped.
+    if any(not k.strip() for k in given):
+        raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without keys")
+    keys = [k.strip() for k in given]
+    if "WAFER_API_KEY" in env:
+        from_env = [k.strip() for k in env["WAFER_API_KEY"].split(",")]
+        if not all(from_env):
+            raise ConfigError("$WAFER_API_KEY holds an empty key: give keys separated by commas, or unset it "
+                              "to serve without keys")
+        keys += from_env
     if key_file:
         try:
             lines = Path(key_file).read_text().splitlines()

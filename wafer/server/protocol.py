@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -59,7 +60,15 @@ class Message(_Body):
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    # Checked when absent too: a tool message answers one call, and OpenAI refuses one that names none.
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError("messages with role 'tool' must have a 'tool_call_id'")
+        return value
 
     @model_validator(mode="after")
     def _content_present(self) -> "Message":

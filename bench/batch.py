@@ -16,7 +16,6 @@ import argparse
 import io
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,26 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import now, table  # noqa: E402
+from bench.served import start  # noqa: E402
 
 TARGET = 1.2
-
-
-def serve(port: int, model: str, state_db: str, max_running: int) -> subprocess.Popen:
-    import httpx
-
-    cmd = [sys.executable, "-m", "wafer.cli", "serve", model, "--port", str(port), "--state-db", state_db,
-           "--max-running", str(max_running), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("wafer serve did not come up")
 
 
 def wait_idle(base: str) -> None:
@@ -82,7 +64,6 @@ def phase(client, model: str, offset: int, n: int, pause: float, max_tokens: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="luna", help="what `wafer serve` serves (a path, or a model or tier)")
-    ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--requests", type=int, default=20, help="interactive requests in each phase of a round")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of an idle phase and a busy one")
     ap.add_argument("--pause", type=float, default=0.3, help="seconds between interactive requests")
@@ -95,9 +76,10 @@ def main() -> None:
     from openai import OpenAI
 
     with tempfile.TemporaryDirectory() as tmp:
-        proc = serve(args.port, args.model, str(Path(tmp) / "state.db"), args.max_running)
+        server = start([args.model, "--state-db", str(Path(tmp) / "state.db"), "--max-running", str(args.max_running)],
+                       Path(tmp) / "server.log")
         try:
-            client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="x", max_retries=0, timeout=300)
+            client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300)
             model = client.models.list().data[0].id
             phase(client, model, 100_000, 3, 0.0, args.max_tokens)  # warm-up: the system prompt cached, paths run
             lines = "".join(json.dumps({
@@ -110,7 +92,7 @@ def main() -> None:
             busy: list[float] = []
             done, seconds = 0, 0.0
             for r in range(args.rounds):
-                wait_idle(f"http://127.0.0.1:{args.port}")
+                wait_idle(server.root)
                 idle += phase(client, model, 2 * r * 1_000, args.requests, args.pause, args.max_tokens)
                 batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                               completion_window="24h")
@@ -125,8 +107,7 @@ def main() -> None:
                 while client.batches.retrieve(batch.id).status != "cancelled":
                     time.sleep(0.2)
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            server.stop()
 
     def ms(x: float) -> str:
         return f"{x * 1000:.0f} ms"

@@ -152,3 +152,39 @@ def test_the_environments_ninja_is_found_when_the_environment_is_not_activated(m
     assert shutil.which("ninja") is None
     kernels.ninja_on_path()
     assert shutil.which("ninja") == str(Path(scripts) / "ninja")
+
+
+def test_a_killed_builds_lock_does_not_hold_the_next_build(tmp_path):
+    """PyTorch's loader waits for ever on the `lock` file a killed build left: the next build clears it,
+    and only while it alone builds (a second builder waits for the first to end)."""
+    import threading
+
+    (tmp_path / "lock").touch()  # what a build killed midway leaves
+    entered = threading.Event()
+    release = threading.Event()
+
+    def first() -> None:
+        with kernels._building(tmp_path):
+            assert not (tmp_path / "lock").exists()
+            (tmp_path / "lock").touch()  # this build's own marker, as PyTorch's loader makes it
+            entered.set()
+            release.wait(10)
+            (tmp_path / "lock").unlink()
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert entered.wait(10)
+    second_in = threading.Event()
+
+    def second() -> None:
+        with kernels._building(tmp_path):
+            second_in.set()
+
+    t2 = threading.Thread(target=second)
+    t2.start()
+    assert not second_in.wait(0.5)  # a live build's lock is not taken from it
+    assert (tmp_path / "lock").exists()
+    release.set()
+    t.join(10)
+    assert second_in.wait(10)
+    t2.join(10)

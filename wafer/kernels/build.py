@@ -30,7 +30,9 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -155,6 +157,21 @@ def ninja_on_path() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
+@contextmanager
+def _building(out: Path) -> Iterator[None]:
+    """One build of a variant at a time, whatever PyTorch's loader leaves behind.
+
+    PyTorch's loader marks a build with a `lock` file that it removes when it ends; a build killed
+    midway leaves it, and every later build waits on it for ever. An flock on `building` dies with
+    its holder, so whoever holds it is the only builder, and a `lock` it finds is a dead build's."""
+    import fcntl  # POSIX only, as the build is
+
+    with open(out / "building", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (out / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _import_or_build(variant: str) -> ModuleType:
     """The compiled extension of one variant, built now if set-up did not. Raises on a failed build.
 
@@ -176,8 +193,9 @@ def _import_or_build(variant: str) -> ModuleType:
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob(_module_name(variant) + "*.so")):
         log.warning("building wafer's %s kernels now (set-up normally does: python -m wafer.kernels)", variant)
-    module = load_extension(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
-                            verbose=False, extra_cflags=["-O3", "-fopenmp", *v.flags], extra_ldflags=["-fopenmp"])
+    with _building(out):
+        module = load_extension(name=_module_name(variant), sources=[str(SOURCE)], build_directory=str(out),
+                                verbose=False, extra_cflags=["-O3", "-fopenmp", *v.flags], extra_ldflags=["-fopenmp"])
     if Path(module.__file__ or "") == library:  # not a renamed rebuild (PyTorch's _v1 after a change in-process)
         stamp.write_text(sources)
     return module

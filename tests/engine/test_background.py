@@ -58,19 +58,19 @@ def test_batch_work_sits_out_the_steps_that_read_an_interactive_prompt():
     _step(blocks, out)
     waiting_batch = _seq([9, 9, 9], background=True)
     sched.add(waiting_batch)
-    chat = _seq(list(range(10, 50)))
+    chat = _seq(list(range(10, 110)))
     sched.add(chat)
     # The step that reads the interactive prompt carries no batch work: not the running batch
     # sequences (which keep their blocks) nor the waiting one.
-    out = sched.schedule(prefill_cap=16)
-    assert [i.seq for i in out] == [chat] and out[0].count == 16
+    out = sched.schedule(prefill_cap=40)
+    assert [i.seq for i in out] == [chat] and out[0].count == 40
     assert all(s.status is Status.RUNNING and s.slot is not None for s in batch)
     _step(blocks, out)
-    out = sched.schedule(prefill_cap=16)
+    out = sched.schedule(prefill_cap=40)
     assert [i.seq for i in out] == [chat]  # its prompt still being read: still alone
     _step(blocks, out)
     out = sched.schedule(prefill_cap=64)
-    assert [i.seq for i in out] == [chat]
+    assert [i.seq for i in out] == [chat] and out[0].count == 20
     _step(blocks, out)  # its prompt is in, and it has its first token
     out = sched.schedule()  # then the batch work goes on beside it, and the waiting line is admitted
     assert [i.seq for i in out] == [chat, *batch, waiting_batch]
@@ -137,10 +137,11 @@ def test_batch_prompts_take_a_share_of_a_steps_prompt_work():
     batch = [_seq(list(range(1, 61)), background=True) for _ in range(2)]
     for s in batch:
         sched.add(s)
-    out = sched.schedule(prefill_cap=80)
-    assert [(i.seq, i.count) for i in out] == [(batch[0], int(80 * BACKGROUND_PROMPT_SHARE))]
+    # (a share of at least MIN_CHUNK tokens: the scheduler gives no prompt a smaller chunk)
+    out = sched.schedule(prefill_cap=160)
+    assert [(i.seq, i.count) for i in out] == [(batch[0], int(160 * BACKGROUND_PROMPT_SHARE))]
     _step(blocks, out)
     chat = _seq([5] * 60)
     sched.add(chat)
-    out = sched.schedule(prefill_cap=80)
+    out = sched.schedule(prefill_cap=160)
     assert [(i.seq, i.count) for i in out] == [(chat, 60)]

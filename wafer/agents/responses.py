@@ -8,6 +8,7 @@ the client's tools (it stays parked and resumes when a later request brings the 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -250,11 +251,14 @@ class ResponsesService:
         status, error, incomplete = "completed", None, None
         self.active[plan.rid] = plan
         body = Ultra(self).run(plan, ev) if plan.ultra is not None else self._turns(plan, ev)
+        # The steps share one context, as one task running the body would: what a step sets (the
+        # span that a turn opens, under which its programs run) holds in the steps after it.
+        steps = contextvars.copy_context()
         try:
             while not plan.cancelled:
                 # Each step a task of its own, which DELETE cancels: the body stops where it is (its
                 # turns, agents and programs with it) and this stream goes on to its terminal event.
-                plan.step = asyncio.ensure_future(_next(body))
+                plan.step = asyncio.get_running_loop().create_task(_next(body), context=steps)
                 try:
                     event = await plan.step
                 except asyncio.CancelledError:

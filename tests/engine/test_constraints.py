@@ -151,7 +151,7 @@ def test_a_search_that_finds_nothing_waits_1_2_4_8_tokens_before_the_next(smollm
     constraints = Constraints(smollm.tokenizer)
     matcher = constraints.matcher(LLMatcher.grammar_from_lark('start: /[a-z]+/ "."'))
     searched = []
-    matcher._complete = lambda: searched.append(step) or None  # type: ignore[method-assign]  # finds nothing
+    matcher._complete = lambda *_: searched.append(step) or None  # type: ignore[method-assign]  # finds nothing
     letter = constraints.llt.tokenize_str("a")[0]
     for step in range(16):
         constraints.new_step()

@@ -47,6 +47,11 @@ _STEP_FUEL = 2_000
 # few hundred of them held every stream's step for 0.3 to 1 s. A search's time counts against the
 # step's fuel as the fuel it could have spent in it.
 _SEARCH_SECONDS = 0.025
+# A search the sequence cannot wait for (its tokens left are about all its completion needs: the
+# next token must already be on a way to finish) has this many times as long: given up, it would
+# leave invalid output, and it runs once, at the limit (a busy machine's other jobs slow the CPU's
+# caches, and a search of a few ms took over 25 there).
+_BINDING_SEARCH_FACTOR = 8
 # A search that found nothing is not run again at the next token but after 1, 2, 4, ... tokens, at
 # most this many: a grammar it cannot finish costs one search now and then, not one a token.
 _RETRY_TOKENS = 64
@@ -298,16 +303,18 @@ class GrammarMatcher:
                 return None
             self._waited = False
             started = time.thread_time()
-            self._completion, self._stale = self._complete(), False
+            binding = tokens_left is not None and not may_wait
+            self._completion, self._stale = self._complete(_BINDING_SEARCH_FACTOR if binding else 1), False
             spent = (time.thread_time() - started) / _SEARCH_SECONDS * _SEARCH_FUEL
             self.constraints.step_fuel -= max(_SEARCH_FUEL - self._fuel, int(spent))
             self._failed = self._failed + 1 if self._completion is None else 0
             self._since_failed = 0
         return self._completion
 
-    def _complete(self) -> list[int] | None:
+    def _complete(self, time_factor: int = 1) -> list[int] | None:
         self._fuel = _SEARCH_FUEL
-        self._deadline = (time.perf_counter() + _SEARCH_SECONDS, time.thread_time() + _SEARCH_SECONDS)
+        seconds = _SEARCH_SECONDS * time_factor
+        self._deadline = (time.perf_counter() + seconds, time.thread_time() + seconds)
         m = self.inner.deep_copy()
         if m.is_accepting():
             return []

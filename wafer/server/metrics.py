@@ -265,19 +265,11 @@ class ServerMetrics:
 
     def _tenants(self) -> dict[str, dict[str, float]]:
         """Per tenant: requests, tokens read and written, cost, errors, requests refused for a limit."""
-        out: dict[str, dict[str, float]] = {}
-        for counter, key in ((self.tenant_requests, "requests"), (self.tenant_tokens, None),
-                             (self.tenant_cost, "cost_usd"), (self.tenant_errors, "errors"),
-                             (self.tenant_limited, "rate_limited")):
-            for metric in counter.collect():
-                for s in metric.samples:
-                    if s.name.endswith("_total"):
-                        name = key or ("input_tokens" if s.labels["direction"] == "input" else "output_tokens")
-                        row = out.setdefault(s.labels["tenant"], {"requests": 0, "input_tokens": 0,
-                                                                   "output_tokens": 0, "cost_usd": 0.0,
-                                                                   "errors": 0, "rate_limited": 0})
-                        row[name] = row.get(name, 0) + s.value
-        return out
+        return _rows(((self.tenant_requests, "requests"), (self.tenant_tokens, None), (self.tenant_cost, "cost_usd"),
+                      (self.tenant_errors, "errors"), (self.tenant_limited, "rate_limited")),
+                     "tenant", ("input_tokens", "output_tokens"),
+                     {"requests": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0, "errors": 0,
+                      "rate_limited": 0})
 
     def reasoning(self, model: str, effort: str, tokens: int) -> None:
         self.reasoning_tokens.labels(model, effort).inc(tokens)
@@ -287,17 +279,9 @@ class ServerMetrics:
 
     def _agents(self) -> dict[str, dict[str, float]]:
         """Per mode of /v1/responses: responses, tokens read and written, model turns, seconds, cost."""
-        out: dict[str, dict[str, float]] = {}
-        for counter, key in ((self.agent_responses, "responses"), (self.agent_tokens, None),
-                             (self.agent_turns, "turns"), (self.agent_cost, "cost_usd"),
-                             (self.agent_seconds, "seconds")):
-            for metric in counter.collect():
-                for s in metric.samples:
-                    if s.name.endswith("_total"):
-                        name = key or ("tokens_read" if s.labels["direction"] == "input" else "tokens_written")
-                        row = out.setdefault(s.labels["mode"], {})
-                        row[name] = row.get(name, 0) + s.value
-        return out
+        return _rows(((self.agent_responses, "responses"), (self.agent_tokens, None), (self.agent_turns, "turns"),
+                      (self.agent_cost, "cost_usd"), (self.agent_seconds, "seconds")),
+                     "mode", ("tokens_read", "tokens_written"), {})
 
     def snapshot(self, window: float = 60.0) -> dict[str, Any]:
         """What the dashboard shows: totals, and percentiles over the last `window` seconds."""
@@ -453,3 +437,18 @@ class StatusCounter:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def _rows(counters: tuple[tuple[Counter, str | None], ...], label: str, directions: tuple[str, str],
+          blank: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The counters' totals as a row per value of `label`, each counter a column named by its key; a
+    counter keyed None is split by its `direction` label into the columns `directions` (input, output)."""
+    out: dict[str, dict[str, float]] = {}
+    for counter, key in counters:
+        for metric in counter.collect():
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    name = key or (directions[0] if s.labels["direction"] == "input" else directions[1])
+                    row = out.setdefault(s.labels[label], dict(blank))
+                    row[name] = row.get(name, 0) + s.value
+    return out

@@ -206,8 +206,10 @@ def test_sampled_trees_follow_the_target_distribution(tiny_pair, monkeypatch) ->
                 counts[pos, s.output_ids[pos]] += 1
     st = eng.stats.spec
     assert st.drafts > n // 2 and 0 < st.accepted_tokens < st.draft_tokens
-    # Every way out of a node ran hundreds of times: its first, a later candidate, or none.
-    assert min(kept_at.count(0), kept_at.count(1) + kept_at.count(2), kept_at.count(None)) > n // 20, kept_at
+    # Every way out of a node ran dozens of times at least: its first, a later candidate, or none.
+    # A later candidate is kept in 1-3% of the walks (which tokens the runs reach decides it).
+    ways = (kept_at.count(0), kept_at.count(1) + kept_at.count(2), kept_at.count(None))
+    assert min(ways) > n // 100, ways
     # Bound: 16 categories, 2000 draws: expected total variation about 0.025; a walk that judged
     # a later candidate against p instead of the residual, or never corrected a rejection, is off
     # by more than 0.1.

@@ -505,8 +505,13 @@ def create_app(
         return Response((static / "dashboard.js").read_text(), media_type="application/javascript")
 
     @app.get("/dashboard/data", dependencies=monitoring)
-    async def dashboard_data() -> dict[str, Any]:
-        return metrics.snapshot()
+    async def dashboard_data(request: Request) -> dict[str, Any]:
+        window = request.query_params.get("window", "60")
+        # Seconds back that the percentiles cover: a whole number from 1 to a day.
+        if not re.fullmatch(r"[0-9]{1,5}", window) or not 1 <= int(window) <= 86_400:
+            raise APIError(400, "window must be a whole number of seconds from 1 to 86400.", "invalid_request_error",
+                           "window", "invalid_value")
+        return metrics.snapshot(float(window))
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:

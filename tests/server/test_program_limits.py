@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -18,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from tests.agents.scripted import ScriptedChat
 from tests.serving import free_port, serve_process, wait_healthy
+from wafer.agents import cgroup
 from wafer.agents.sandbox import check_sandbox
 from wafer.cli import main
 
@@ -79,7 +81,7 @@ def upstream():
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_healthy(f"http://127.0.0.1:{port}", 30)
-    yield f"http://127.0.0.1:{port}/v1", script
+    yield f"http://127.0.0.1:{port}/v1"
     server.should_exit = True
     thread.join(timeout=30)
 
@@ -90,7 +92,7 @@ def served(upstream, tiny_dir, tmp_path_factory):
     --program-memory 64MiB, which is over the file's memory_bytes."""
     if check_sandbox() is not None:
         pytest.skip(f"no sandbox here: {check_sandbox()}")
-    base, script = upstream
+    base = upstream
     where = tmp_path_factory.mktemp("limits")
     toml = where / "wafer.toml"
     toml.write_text(f"""
@@ -110,10 +112,11 @@ max_running = 1
     port = free_port()
     argv = [sys.executable, "-m", "wafer.cli", "serve", "--config", str(toml), "--port", str(port),
             "--state-db", str(where / "state.db"), "--program-memory", "64MiB"]
-    with serve_process(argv, port, where / "serve.log", 120):
+    with serve_process(argv, port, where / "serve.log", 120) as proc:
         # the start-up line says the limits the server runs with
         assert "each 64 MiB, 10 s CPU, 30 s; 1 running at once" in (where / "serve.log").read_text()
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60), script
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        yield client, proc.pid
 
 
 def program_output(r):
@@ -128,15 +131,22 @@ def test_the_program_memory_flag_bounds_a_programs_memory(served):
     assert f"memory limit ({64 * MiB} bytes) reached" in out.model_extra["error"], out.model_extra
 
 
+def programs_of(pid: int) -> list[Path]:
+    """The memory cgroups of the programs that the server process `pid` runs now."""
+    return list(cgroup.find().parent.glob(f"{cgroup.PREFIX}{pid}-*"))
+
+
 def test_max_running_in_wafer_toml_refuses_a_second_program_with_429(served):
-    client, script = served
-    seen = len(script.bodies)
+    client, pid = served
+    deadline = time.monotonic() + 30
+    while programs_of(pid) and time.monotonic() < deadline:  # an earlier test's program is gone
+        time.sleep(0.02)
     with ThreadPoolExecutor(1) as ex:
         first = ex.submit(client.responses.create, model="scripted", input=SLEEPS, tools=TOOLS)
         deadline = time.monotonic() + 30
-        while len(script.bodies) == seen and time.monotonic() < deadline:  # its run_program turn is on its way
-            time.sleep(0.05)
-        time.sleep(1.0)  # the first program started: it sleeps 4 s
+        while not programs_of(pid) and time.monotonic() < deadline:  # until the first program runs (4 s)
+            time.sleep(0.02)
+        assert programs_of(pid), "the first program did not start"
         with pytest.raises(openai.RateLimitError) as e:
             client.responses.create(model="scripted", input="text('second')", tools=TOOLS)
         assert e.value.body["code"] == "programs_busy" and e.value.response.headers["retry-after"] == "1"

@@ -97,11 +97,12 @@ def wait_healthy(base: str, timeout: float) -> None:
 
 
 @contextmanager
-def serve_process(argv: list[str], port: int, log: Path, timeout: float, **popen: object) -> Iterator[None]:
+def serve_process(argv: list[str], port: int, log: Path, timeout: float,
+                  **popen: object) -> Iterator[subprocess.Popen[bytes]]:
     """A server process (`wafer serve`, `make serve`) that listens on `port`, its output in `log`,
-    from when /health answers until the block ends, then stopped with SIGTERM as an operator stops
-    it (killed if it has not ended 60 s later). Raises AssertionError with the log's end if /health
-    has not answered after `timeout` seconds."""
+    from when /health answers until the block ends (the block gets the process), then stopped with
+    SIGTERM as an operator stops it (killed if it has not ended 60 s later). Raises AssertionError
+    with the log's end if /health has not answered after `timeout` seconds."""
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen)
     try:
@@ -109,7 +110,7 @@ def serve_process(argv: list[str], port: int, log: Path, timeout: float, **popen
             wait_healthy(f"http://127.0.0.1:{port}", timeout)
         except TimeoutError:
             raise AssertionError(f"`{shlex.join(argv)}` did not come up:\n{log.read_text()[-3000:]}") from None
-        yield
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -125,8 +125,9 @@ def config_keys() -> dict[str, set[str]]:
 
     tables = {"models", "upstreams", "tiers", "aliases", "routing", "reasoning"}
     agents = {"subagent_model"}  # ServeConfig's fields that [agents] sets
+    sandbox = {"program_limits", "programs"}  # ServeConfig's fields that [sandbox] sets
     return {
-        "top level": fields(config.ServeConfig) - tables - agents,
+        "top level": fields(config.ServeConfig) - tables - agents - sandbox,
         # `name` is the table's own name, `options` holds the ENGINE_OPTIONS
         "[models.NAME]": fields(config.LocalModelConfig) - {"name", "options"} | {*config.MODEL_SETTINGS,
                                                                                     *config.ENGINE_OPTIONS},
@@ -137,6 +138,7 @@ def config_keys() -> dict[str, set[str]]:
         "[routing.tiers]": set(config.RoutingConfig().tiers),
         "[reasoning]": set(config.REASONING_BUDGETS),
         "[agents]": agents & fields(config.ServeConfig),
+        "[sandbox]": set(config.SANDBOX_KEYS) if sandbox <= fields(config.ServeConfig) else set(),
     }
 
 
@@ -172,6 +174,7 @@ def test_the_complete_example_is_a_valid_wafer_toml_with_every_key(tmp_path):
         "[routing.tiers]": set(raw["routing"]["tiers"]),
         "[reasoning]": set(raw["reasoning"]),
         "[agents]": set(raw["agents"]),
+        "[sandbox]": set(raw["sandbox"]),
     }
     for table, names in config_keys().items():
         assert names <= shown[table], f"{table}: the example lacks {sorted(names - shown[table])}"

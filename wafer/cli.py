@@ -13,11 +13,14 @@ from wafer.config import (
     KV_CACHE_DTYPES,
     NO_TOOL_CALLS,
     ROUTING_TIERS,
+    SANDBOX_FLAGS,
     SPECULATIVE_LENGTHS,
     TIERS,
     CacheSettings,
     EngineSettings,
     LoadSettings,
+    ProgramLimits,
+    ProgramPoolSettings,
     ServerSettings,
     SpeculationSettings,
 )
@@ -353,6 +356,11 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     _quant_arg(p)
 
 
+def _size(nbytes: int) -> str:
+    """512MiB, 2GiB: a size as the flags take it."""
+    return f"{nbytes / 2**30:g}GiB" if nbytes % 2**30 == 0 else f"{nbytes / 2**20:g}MiB"
+
+
 def _non_negative(text: str) -> int:
     """An argparse type: refused before any model loads, with argparse's usage line."""
     try:
@@ -450,6 +458,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pipeline-parallel", type=int, default=EngineSettings.pipeline_parallel, metavar="N",
                    help="run each model's layers in N stage processes (torch.distributed, gloo), this one the "
                         "first; under torchrun the stages are its other ranks (see docs/guide/deployment.md)")
+    limits, pool = ProgramLimits(), ProgramPoolSettings()
+    # Model-written programs' limits: each flag over wafer.toml's [sandbox] key of its field, which
+    # is over the default (shown here, from wafer/config/sandbox.py).
+    s.add_argument(SANDBOX_FLAGS["memory_bytes"], dest="sandbox_memory_bytes", metavar="SIZE",
+                   help="memory of one model-written program, e.g. 256MiB: its memory cgroup's limit, counting "
+                        f"memfd, /tmp and page cache (default: {_size(limits.memory_bytes)})")
+    s.add_argument(SANDBOX_FLAGS["cpu_seconds"], dest="sandbox_cpu_seconds", metavar="S",
+                   help=f"CPU time of one program (default: {limits.cpu_seconds:g})")
+    s.add_argument(SANDBOX_FLAGS["wall_seconds"], dest="sandbox_wall_seconds", metavar="S",
+                   help=f"running time of one program, not counting time parked on tool calls (default: "
+                        f"{limits.wall_seconds:g})")
+    s.add_argument(SANDBOX_FLAGS["max_running"], dest="sandbox_max_running", metavar="N",
+                   help="programs running at once; a request that would start one more gets a 429, programs_busy "
+                        f"(default: {pool.max_running})")
+    s.add_argument(SANDBOX_FLAGS["max_parked"], dest="sandbox_max_parked", metavar="N",
+                   help=f"programs parked waiting for tool outputs; one more ends with an error (default: "
+                        f"{pool.max_parked})")
+    s.add_argument(SANDBOX_FLAGS["parked_memory_bytes"], dest="sandbox_parked_memory_bytes", metavar="SIZE",
+                   help=f"memory the parked programs hold together (default: {_size(pool.parked_memory_bytes)})")
     s.add_argument("--served-model-name", action="append", default=[], help="name(s) clients use (repeatable)")
     _quant_arg(s)
     s.add_argument("--config", default=None, help="TOML file with models, tiers, aliases, upstreams and routing")

@@ -222,3 +222,19 @@ def test_the_user_guide_states_the_fields_defaults():
             wrong.append(f"{flag}: the guide says {cell.strip()}, the field {shown}")
     assert {"max_running", "num_speculative_tokens", "quant", "keep_alive"} <= checked, checked
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_user_guide_states_the_sandbox_flags_defaults():
+    """The program limits' flags (whose argparse default is None: wafer.toml's [sandbox] may set
+    them) are in docs/guide/models.md with their fields' defaults."""
+    page = (ROOT.parent / "docs" / "guide" / "models.md").read_text()
+    defaults = {**vars(config.ProgramLimits()), **vars(config.ProgramPoolSettings())}
+    wrong = []
+    for key, flag in config.SANDBOX_FLAGS.items():
+        value = defaults[key]
+        shown = (f"{value / 2**30:g} GiB" if value % 2**30 == 0 else f"{value / 2**20:g} MiB") \
+            if key.endswith("_bytes") else f"{value:g}"
+        row = re.search(rf"^\| `{flag}[ `][^|]*\| ([^|]+) \|", page, re.MULTILINE)
+        if row is None or row.group(1) != shown:
+            wrong.append(f"{flag}: the guide says {row and row.group(1)}, the field {shown}")
+    assert not wrong, "\n".join(wrong)

@@ -136,6 +136,19 @@ def test_kv_cache_memory_takes_sizes_with_units(tmp_path):
         load_config(write(tmp_path, '[models.small]\npath = "bundled"\nkv_cache_memory = "lots"\n'))
 
 
+def test_sandbox_sets_programs_limits_with_sizes_and_the_rest_default(tmp_path):
+    from wafer.config import ProgramLimits, ProgramPoolSettings
+
+    cfg = load_config(write(tmp_path, '[models.a]\n[sandbox]\nmemory_bytes = "256MiB"\ncpu_seconds = 2.5\n'
+                                      'max_running = 1\nmax_parked = 0\nparked_memory_bytes = 0\n'))
+    assert cfg.program_limits == ProgramLimits(memory_bytes=256 * 2**20, cpu_seconds=2.5)
+    assert cfg.programs == ProgramPoolSettings(max_running=1, max_parked=0, parked_memory_bytes=0)
+    cfg = load_config(write(tmp_path, "[models.a]"))
+    assert (cfg.program_limits, cfg.programs) == (ProgramLimits(), ProgramPoolSettings())
+    with pytest.raises(ConfigError, match=re.escape("[sandbox] must be a table")):
+        load_config(write(tmp_path, "sandbox = 3\n[models.a]"))
+
+
 def test_prefill_step_ms_bounds_a_steps_prompt_work_or_not(tmp_path):
     from wafer.server.main import prefill_step
 

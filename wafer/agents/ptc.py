@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from wafer import untrusted_json
@@ -104,6 +104,11 @@ class ProgramPool:
     starting: int = 0  # admitted, not yet live
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when a program parks or ends
     _reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of(cls, settings: ProgramPoolSettings) -> ProgramPool:
+        """A pool with these bounds (wafer.toml's [sandbox] and `wafer serve`'s flags)."""
+        return cls(**asdict(settings))
 
     @property
     def running(self) -> int:

@@ -8,13 +8,14 @@ Every layer may import this package, so it imports nothing of wafer's."""
 from wafer.config.cache import KV_CACHE_DTYPES, CacheSettings
 from wafer.config.engine import EngineSettings
 from wafer.config.load import DEVICES, LoadSettings
-from wafer.config.sandbox import ProgramLimits, ProgramPoolSettings
+from wafer.config.sandbox import MAY_BE_ZERO, MIN_MEMORY_BYTES, SANDBOX_FLAGS, ProgramLimits, ProgramPoolSettings
 from wafer.config.server import REASONING_BUDGETS, ServerSettings
 from wafer.config.speculation import SPECULATIVE_LENGTHS, SpeculationSettings
 from wafer.config.tiers import NO_TOOL_CALLS, ROUTER_NAMES, ROUTING_TIERS, TIER_ALIASES, TIERS
 
 SETTINGS = (EngineSettings, CacheSettings, SpeculationSettings, LoadSettings, ServerSettings)
 
-__all__ = ["DEVICES", "KV_CACHE_DTYPES", "NO_TOOL_CALLS", "REASONING_BUDGETS", "ROUTER_NAMES", "ROUTING_TIERS", "SETTINGS",
-           "SPECULATIVE_LENGTHS", "TIERS", "TIER_ALIASES", "CacheSettings", "EngineSettings", "LoadSettings",
-           "ProgramLimits", "ProgramPoolSettings", "ServerSettings", "SpeculationSettings"]
+__all__ = ["DEVICES", "KV_CACHE_DTYPES", "MAY_BE_ZERO", "MIN_MEMORY_BYTES", "NO_TOOL_CALLS", "REASONING_BUDGETS",
+           "ROUTER_NAMES", "ROUTING_TIERS", "SANDBOX_FLAGS", "SETTINGS", "SPECULATIVE_LENGTHS", "TIERS", "TIER_ALIASES",
+           "CacheSettings", "EngineSettings", "LoadSettings", "ProgramLimits", "ProgramPoolSettings", "ServerSettings",
+           "SpeculationSettings"]

@@ -1,5 +1,6 @@
 """The limits of model-written programs (wafer/agents/sandbox.py runs them): one program's, and the
-server's over all of them."""
+server's over all of them. wafer.toml's [sandbox] table sets any of their fields, and `wafer serve`'s
+flags (SANDBOX_FLAGS) those operators change most, over it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,22 @@ class ProgramPoolSettings:
     # Memory the parked programs hold together: a parked program keeps what it has (its cgroup's
     # limit is lowered to it) and one that would take the total over this ends with an error.
     parked_memory_bytes: int = 2 * 2**30
+
+
+# The least memory_bytes a server takes: under it the interpreter starts, but importing the standard
+# library's compiled modules (json, statistics: _random's shared object) fails to map them into an
+# address space that small (measured: 24 MiB fails, 28 MiB runs on CPython 3.11).
+MIN_MEMORY_BYTES = 32 * 2**20
+
+# Settings that may be 0: no program parks (one that calls a client's tool ends with an error).
+MAY_BE_ZERO = ("max_parked", "parked_memory_bytes")
+
+# `wafer serve`'s flags, by the field each sets.
+SANDBOX_FLAGS = {
+    "memory_bytes": "--program-memory",
+    "cpu_seconds": "--program-cpu-seconds",
+    "wall_seconds": "--program-wall-seconds",
+    "max_running": "--max-running-programs",
+    "max_parked": "--max-parked-programs",
+    "parked_memory_bytes": "--parked-programs-memory",
+}

@@ -48,15 +48,22 @@
     high = 2048
 
     otlp_endpoint = "http://localhost:4318"  # the requests' traces (wafer/tracing.py)
+
+    [sandbox]                   # model-written programs' limits (wafer/config/sandbox.py), each field of
+    memory_bytes = "256MiB"     # ProgramLimits and ProgramPoolSettings; `wafer serve`'s flags override them
+    max_running = 2
+
     [agents]                    # /v1/responses (wafer/agents/)
     subagent_model = "luna"     # Ultra's sub-agents run on this model or tier (default: the root's)
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +72,8 @@ import tomllib
 from wafer.config import (
     DEVICES,
     KV_CACHE_DTYPES,
+    MAY_BE_ZERO,
+    MIN_MEMORY_BYTES,
     NO_TOOL_CALLS,
     REASONING_BUDGETS,
     ROUTER_NAMES,
@@ -74,6 +83,8 @@ from wafer.config import (
     CacheSettings,
     EngineSettings,
     LoadSettings,
+    ProgramLimits,
+    ProgramPoolSettings,
     ServerSettings,
     SpeculationSettings,
 )
@@ -173,6 +184,9 @@ class ServeConfig:
     reasoning: dict[str, int] = field(default_factory=lambda: dict(REASONING_BUDGETS))  # effort -> tokens
     subagent_model: str | None = None  # [agents]: where Ultra's sub-agents run (None: the root's model)
     otlp_endpoint: str | None = ServerSettings.otlp_endpoint  # where the traces go (--otlp-endpoint overrides)
+    # [sandbox]: model-written programs' limits, one program's and the server's over all of them
+    program_limits: ProgramLimits = field(default_factory=ProgramLimits)
+    programs: ProgramPoolSettings = field(default_factory=ProgramPoolSettings)
 
     def prices(self) -> dict[str, dict[str, float]]:
         """Prices by the model name a completion carries: a local model's name, an upstream's model."""
@@ -358,10 +372,52 @@ def _parse(raw: dict[str, Any], cli_options: dict[str, int], quant: str = LoadSe
     otlp = raw.get("otlp_endpoint", ServerSettings.otlp_endpoint)
     if otlp is not None and not isinstance(otlp, str):
         raise ConfigError("otlp_endpoint is a URL, e.g. otlp_endpoint = \"http://localhost:4318\"")
+    if not isinstance(raw.get("sandbox", {}), dict):
+        raise ConfigError("[sandbox] must be a table of programs' limits, e.g. memory_bytes = \"256MiB\"")
+    limits, programs = sandbox_settings(raw.get("sandbox", {}))
     cfg = ServeConfig(models, upstreams, tiers, dict(raw.get("aliases") or {}), routing, raw.get("memory_budget_gb"),
-                      _reasoning(raw.get("reasoning", {})), agents.get("subagent_model"), otlp)
+                      _reasoning(raw.get("reasoning", {})), agents.get("subagent_model"), otlp, limits, programs)
     cfg.check()
     return cfg
+
+
+# [sandbox]'s keys, each a field of ProgramLimits or ProgramPoolSettings, with its type (that of its default).
+SANDBOX_KEYS = {f.name: type(f.default) for cls in (ProgramLimits, ProgramPoolSettings) for f in fields(cls)}
+
+
+def sandbox_settings(values: dict[str, Any], where: Callable[[str], str] = lambda key: f"[sandbox] {key}",
+                     limits: ProgramLimits | None = None, programs: ProgramPoolSettings | None = None,
+                     ) -> tuple[ProgramLimits, ProgramPoolSettings]:
+    """`values` by field name (wafer.toml's [sandbox], or the flags' over it) over `limits` and
+    `programs` (the defaults where None), each checked; a bad one is a ConfigError that names it as
+    `where` spells it. Sizes take 512MiB, 2GiB or bytes (parse_size); counts whole numbers; seconds
+    any number."""
+    unknown = set(values) - set(SANDBOX_KEYS)
+    if unknown:
+        raise ConfigError(f"[sandbox] has no option(s) {sorted(unknown)}; options are {', '.join(SANDBOX_KEYS)}")
+    checked = {key: _sandbox_value(value, key, where(key)) for key, value in values.items()}
+    limits, programs = limits or ProgramLimits(), programs or ProgramPoolSettings()
+    own = {f.name for f in fields(ProgramLimits)}
+    return (replace(limits, **{k: v for k, v in checked.items() if k in own}),
+            replace(programs, **{k: v for k, v in checked.items() if k not in own}))
+
+
+def _sandbox_value(value: Any, key: str, where: str) -> int | float:
+    size, kind = key.endswith("_bytes"), SANDBOX_KEYS[key]
+    what = ("a size, e.g. 256MiB or 1GiB, or bytes" if size else "a whole number" if kind is int else
+            "a number of seconds")
+    least = (f"at least {MIN_MEMORY_BYTES // 2**20}MiB (a program's Python needs that much to start and import the "
+             "standard library)" if key == "memory_bytes" else "0 or more" if key in MAY_BE_ZERO else "more than 0")
+    number: int | float = math.nan
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = parse_size(str(value)) if size else int(str(value)) if kind is int else float(value)
+        except ValueError:
+            pass
+    low = MIN_MEMORY_BYTES if key == "memory_bytes" else 0
+    if not (math.isfinite(number) and number >= low and (number > 0 or key in MAY_BE_ZERO)):
+        raise ConfigError(f"{where} must be {what}, {least}, not {value!r}")
+    return number
 
 
 REPLICA_POLICIES = ("least_outstanding", "prefix")

@@ -21,9 +21,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wafer import tracing, untrusted_json
 from wafer.agents.items import ResponseRequest
+from wafer.agents.ptc import ProgramPool
 from wafer.agents.responses import ResponsesService, sse
 from wafer.agents.store import ResponseStore, default_path
-from wafer.config import ServerSettings
+from wafer.config import ProgramLimits, ProgramPoolSettings, ServerSettings
 from wafer.router.config import ROUTER_NAMES, TIER_ALIASES, LocalModelConfig, UpstreamConfig, default_config
 from wafer.router.router import Router, UnknownModel
 from wafer.router.replicas import ReplicaSet
@@ -264,6 +265,8 @@ def create_app(
     key_store: KeyStore | None = None,
     max_file_bytes: int = ServerSettings.max_file_bytes,
     tracer: tracing.Tracing | None = None,
+    program_limits: ProgramLimits | None = None,
+    programs: ProgramPoolSettings | None = None,
 ) -> FastAPI:
     """The HTTP app over local models (each with its engine) and, through the router, upstreams.
     `protect_metrics`: /metrics and the dashboard's data need the API key too (by default they are
@@ -276,7 +279,9 @@ def create_app(
     (wafer keys; wafer/server/tenants.py), beside `api_keys`, which are each a tenant of their own.
     `max_file_bytes`: the largest file /v1/files takes (a batch's input); batches and their files live
     in the `state_db` store too.
-    `tracer`: where the requests' spans go (wafer/tracing.py); None, the default, traces nothing."""
+    `tracer`: where the requests' spans go (wafer/tracing.py); None, the default, traces nothing.
+    `program_limits`, `programs`: model-written programs' limits, one program's and the server's over
+    all of them (wafer.toml's [sandbox] and the flags; their defaults where None)."""
     served_list = models if isinstance(models, list) else [models]
     router = router or default_router(served_list)
     upstreams = upstreams or {}
@@ -306,6 +311,7 @@ def create_app(
         if not agents:  # the store's file is made on the first use of the Responses API, not at start
             draining = lambda: not all(m.engine.accepting for m in served_list)  # noqa: E731
             agents.append(ResponsesService(InProcessChat(answer, check_model, draining), ResponseStore(state_db),
+                                           ProgramPool.of(programs or ProgramPoolSettings()), program_limits,
                                            prices=prices, subagent_model=subagent_model))
             agents[0].on_finish.append(metrics.agent_response)
         return agents[0]

@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 
 from wafer import __version__, tracing
-from wafer.config import CacheSettings, EngineSettings
+from wafer.config import SANDBOX_FLAGS, CacheSettings, EngineSettings, ProgramLimits, ProgramPoolSettings
 from wafer.engine.async_engine import AsyncEngine, run_engines
 from wafer.engine.config import EngineConfig
 from wafer.engine.engine import LLMEngine
@@ -39,6 +39,7 @@ from wafer.router.config import (
     draft_target,
     load_config,
     parse_size,
+    sandbox_settings,
 )
 from wafer.router.router import Router
 from wafer.server.app import create_app, prompt_counter
@@ -358,9 +359,10 @@ def api_keys(given: list[str], key_file: str | None, env: dict[str, str] | None 
     return keys
 
 
-def programs_line() -> str:
-    """Whether model-written programs run here, said at start-up: where the sandbox or a memory
-    cgroup is missing, programmatic tool calling is refused, never run with weaker limits."""
+def programs_line(limits: ProgramLimits, programs: ProgramPoolSettings) -> str:
+    """Whether model-written programs run here, and within what, said at start-up: where the
+    sandbox or a memory cgroup is missing, programmatic tool calling is refused, never run with
+    weaker limits."""
     from wafer.agents.cgroup import find
     from wafer.agents.sandbox import check_sandbox
 
@@ -369,7 +371,10 @@ def programs_line() -> str:
         return f"WARNING programmatic tool calling is off: {reason}"
     hierarchy = find()
     assert not isinstance(hierarchy, str)  # check_sandbox() found one
-    return f"programs: sandboxed, each in a memory cgroup (v{hierarchy.version}) under {hierarchy.parent}"
+    return (f"programs: sandboxed, each in a memory cgroup (v{hierarchy.version}) under {hierarchy.parent}; each "
+            f"{limits.memory_bytes / 2**20:g} MiB, {limits.cpu_seconds:g} s CPU, {limits.wall_seconds:g} s; "
+            f"{programs.max_running} running at once, {programs.max_parked} parked holding at most "
+            f"{programs.parked_memory_bytes / 2**20:g} MiB")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -392,6 +397,11 @@ def serve(args: argparse.Namespace) -> int:
                              settings)
     for note in notes:
         print(f"  WARNING {note}", file=sys.stderr, flush=True)
+    # programs' limits: the flags over wafer.toml's [sandbox], checked before any model loads
+    flags = {key: getattr(args, f"sandbox_{key}") for key in SANDBOX_FLAGS}
+    given = {key: value for key, value in flags.items() if value is not None}
+    cfg.program_limits, cfg.programs = sandbox_settings(given, lambda key: SANDBOX_FLAGS[key], cfg.program_limits,
+                                                        cfg.programs)
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1 and len(cfg.models) != 1:
         raise ConfigError(f"under torchrun the ranks are one model's pipeline stages: serve one model (give its path), "
                           f"not {len(cfg.models)}")
@@ -402,7 +412,8 @@ def serve(args: argparse.Namespace) -> int:
     tracer = tracing.Tracing(otlp) if otlp is not None else None  # off: the SDK is not even imported
     app = create_app(served, keys, router=router, upstreams=cfg.upstreams, protect_metrics=args.protect_metrics,
                      state_db=args.state_db, prices=cfg.prices(), subagent_model=cfg.subagent_model,
-                     key_store=key_store, max_file_bytes=args.max_file_bytes, tracer=tracer)
+                     key_store=key_store, max_file_bytes=args.max_file_bytes, tracer=tracer,
+                     program_limits=cfg.program_limits, programs=cfg.programs)
     # uvicorn closes idle connections after 5 s by default, before the pools of most clients do
     # (aiohttp 15 s, Go 90 s, proxies more): a request sent on one as it closed was lost with
     # "Server disconnected" (once in bench/fuzz.py's 10,000 requests; vLLM has
@@ -435,7 +446,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"  {m.names[0]}: {stages['stages']} pipeline stages, layers {layers}", file=sys.stderr, flush=True)
         if m.compute["warning"]:
             print(f"  WARNING {m.names[0]}: {m.compute['warning']}", file=sys.stderr, flush=True)
-    print(f"  {programs_line()}", file=sys.stderr, flush=True)
+    print(f"  {programs_line(cfg.program_limits, cfg.programs)}", file=sys.stderr, flush=True)
     if otlp is not None:
         print(f"  traces: OpenTelemetry spans to {otlp}", file=sys.stderr, flush=True)
     try:

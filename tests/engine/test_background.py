@@ -183,15 +183,14 @@ def test_the_decoders_beside_interactive_work_fit_a_share_of_the_step(monkeypatc
 
     clock = [100.0]
     monkeypatch.setattr(background_pace.time, "monotonic", lambda: clock[0])
-    pace = BackgroundPace(0.050)  # a 50 ms budget: batch steps of 10 ms beside interactive work
+    pace = BackgroundPace()
     assert pace.rows() is None  # nothing learned, no interactive request: no bound
     pace.cost = cost
     assert pace.rows() is None  # still no interactive request
     pace.interactive()
-    assert pace.rows() == 6  # 4 ms + 6 x 1 ms within 10 ms
+    assert pace.rows() == 4  # twice the fixed 4 ms: 4 rows of 1 ms
     clock[0] += background_pace.INTERACTIVE_RECENT_SECONDS + 1
     assert pace.rows() is None  # none lately: batch work decodes all it runs
     pace.interactive()
     pace.cost = same
-    assert pace.rows() == 1  # 20 ms a step, rows not told apart: one, whose steps then tell them
-    assert BackgroundPace(None).rows() is None  # no step budget (prefill_step_ms 0): no bound
+    assert pace.rows() == 1  # rows not told apart: one, whose steps then tell them apart

@@ -6,10 +6,12 @@ that reads an interactive prompt (scheduler.py), but the step in flight when the
 whatever it was: with 16 batch sequences decoding on SmolLM2 (2-core EPYC), about 20 ms, and the
 interactive time to first token went from 27 ms to 36 ms at the median.
 
-So while an interactive request has come within INTERACTIVE_RECENT_SECONDS, a step decodes only as
-many sequences as fit BACKGROUND_STEP_SHARE of the step's time budget (prefill_step_ms), by what
-decode steps have cost (seconds = fixed + per_row * rows, fitted over recent decode-only steps), and
-at least one batch sequence, so that batch work always moves. With no interactive request about,
+So while an interactive request has come within INTERACTIVE_RECENT_SECONDS, a step carrying batch
+decoders takes at most BACKGROUND_STEP_GROWTH times a decode step's fixed cost, by what decode steps
+have cost (seconds = fixed + per_row * rows, fitted over recent decode-only steps), and at least one
+batch sequence decodes, so that batch work always moves. Counted against the fixed cost, the bound
+holds on any model and machine: an interactive request then waits about one fixed cost for the step
+in flight, where its own first step takes that and its prompt. With no interactive request about,
 batch work decodes as many sequences as run: its throughput then costs no one.
 """
 
@@ -24,9 +26,9 @@ from wafer.engine.scheduler import ScheduledSeq
 # An interactive request within this many seconds keeps batch steps short: traffic that has just
 # come tends to come again (an agent's next turn, a user's next message).
 INTERACTIVE_RECENT_SECONDS = 10.0
-# The share of prefill_step_ms that a step carrying batch decoders may take while interactive
-# requests come: an interactive request waits half a step on average, a tenth of the budget.
-BACKGROUND_STEP_SHARE = 0.2
+# How long, in decode steps' fixed costs, a step carrying batch decoders may take while interactive
+# requests come.
+BACKGROUND_STEP_GROWTH = 2.0
 
 
 @dataclass
@@ -59,9 +61,7 @@ class DecodeCost:
 
 
 class BackgroundPace:
-    def __init__(self, step_seconds: float | None) -> None:
-        """`step_seconds`: the step's time budget (prefill_step_ms); None: batch steps unbounded."""
-        self.limit = None if step_seconds is None else step_seconds * BACKGROUND_STEP_SHARE
+    def __init__(self) -> None:
         self.cost = DecodeCost()
         self.last_interactive = -math.inf
 
@@ -72,15 +72,16 @@ class BackgroundPace:
     def rows(self) -> int | None:
         """The most decoders a step that carries batch ones may have now (the scheduler lets at
         least one batch sequence decode whatever this says); None: no bound."""
-        if self.limit is None or time.monotonic() - self.last_interactive > INTERACTIVE_RECENT_SECONDS:
+        if time.monotonic() - self.last_interactive > INTERACTIVE_RECENT_SECONDS:
             return None
         fit = self.cost.coefficients()
         if fit is None:
             return None
         fixed, per_row = fit
-        if per_row <= 0:  # not told apart yet: one row, whose steps then tell it
-            return None if fixed <= self.limit else 1
-        return max(1, int((self.limit - fixed) / per_row + 1e-9))  # (6 of 1 ms in 6 ms, not 5.999...)
+        if per_row <= 0:  # not told apart yet: one row, whose steps then tell them apart
+            return 1
+        # (+1e-9: 4 rows of 1 ms fit 4 ms, where float division may give 3.999...)
+        return max(1, int((BACKGROUND_STEP_GROWTH - 1) * fixed / per_row + 1e-9))
 
     def observe(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
         """Learn from a step that read no prompt: its rows and how long it took."""

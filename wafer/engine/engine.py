@@ -63,7 +63,7 @@ class LLMEngine:
         self.blocks = self.kv.blocks
         self.scheduler = Scheduler(self.blocks, cfg.max_running, cfg.max_batched_tokens, cfg.prefix_caching)
         self.budget = PromptBudget(cfg.prefill_step_seconds)
-        self.pace = BackgroundPace(cfg.prefill_step_seconds)  # batch decoders a step takes beside interactive work
+        self.pace = BackgroundPace()  # batch decoders a step takes beside interactive work
         self.sampler = Sampler(cfg.seed)
         self.stats = EngineStats()
         self.seqs: dict[int, Sequence] = {}

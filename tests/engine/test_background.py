@@ -4,6 +4,8 @@ blocks first. On a scheduler over the blocks of a model of no weights."""
 
 from __future__ import annotations
 
+import pytest
+
 from wafer.engine.kv_layout import BLOCK
 from wafer.engine.sequence import SamplingParams, Sequence, Status
 
@@ -145,3 +147,50 @@ def test_batch_prompts_take_a_share_of_a_steps_prompt_work():
     sched.add(chat)
     out = sched.schedule(prefill_cap=160)
     assert [(i.seq, i.count) for i in out] == [(chat, 60)]
+
+
+def test_a_step_decodes_batch_sequences_up_to_its_rows_and_one_at_least():
+    blocks, sched = _scheduler(max_running=6)
+    batch = [_seq([1, 2, 3], background=True) for _ in range(4)]
+    chat = [_seq([4, 5, 6]) for _ in range(2)]
+    for s in [*batch, *chat]:
+        sched.add(s)
+    _step(blocks, sched.schedule())  # every prompt read: each has its first token
+    out = sched.schedule()
+    assert [i.seq for i in out] == [*chat, *batch]  # no bound: every decoder
+    _step(blocks, out)
+    out = sched.schedule(decode_rows=3)
+    assert [i.seq for i in out] == [*chat, batch[0]]  # the interactive ones, then batch ones to 3 rows
+    _step(blocks, out)
+    out = sched.schedule(decode_rows=1)
+    assert [i.seq for i in out] == [*chat, batch[0]]  # past the bound already: one batch sequence moves
+    assert all(s.status is Status.RUNNING and s.slot is not None for s in batch)  # the rest keep their blocks
+
+
+def test_the_decoders_beside_interactive_work_fit_a_share_of_the_step(monkeypatch):
+    from wafer.engine import background_pace
+    from wafer.engine.background_pace import BackgroundPace, DecodeCost
+
+    cost = DecodeCost()
+    for rows in (16, 1, 4, 16, 2, 8):
+        cost.observe(rows, 0.004 + 0.001 * rows)
+    fixed, per_row = cost.coefficients()
+    assert abs(fixed - 0.004) < 1e-9 and abs(per_row - 0.001) < 1e-9
+    same = DecodeCost()
+    for _ in range(3):
+        same.observe(16, 0.020)
+    assert same.coefficients() == pytest.approx((0.020, 0.0))  # rows never varied: their mean, no per-row cost
+
+    clock = [100.0]
+    monkeypatch.setattr(background_pace.time, "monotonic", lambda: clock[0])
+    pace = BackgroundPace()
+    assert pace.rows() is None  # nothing learned, no interactive request: no bound
+    pace.cost = cost
+    assert pace.rows() is None  # still no interactive request
+    pace.interactive()
+    assert pace.rows() == 4  # twice the fixed 4 ms: 4 rows of 1 ms
+    clock[0] += background_pace.INTERACTIVE_RECENT_SECONDS + 1
+    assert pace.rows() is None  # none lately: batch work decodes all it runs
+    pace.interactive()
+    pace.cost = same
+    assert pace.rows() == 1  # rows not told apart: one, whose steps then tell them apart

@@ -28,6 +28,7 @@ def keyed(smollm, tmp_path_factory):
     store = KeyStore(db)
     keys = {name: store.add(name, **limits)[0] for name, limits in {
         "alice": {}, "bob": {}, "rpm": {"rpm": 3}, "tpm": {"tpm": 60}, "daily": {"daily_tokens": 90},
+        "batchy": {"tpm": 60, "daily_tokens": 60},
         "conc": {"concurrency": 1}, "narrow": {"models": ["some-other-model"]}, "ops": {"admin": True},
         "doomed": {}}.items()}
     s = start_server(smollm, api_keys=[LEGACY], max_running=4, state_db=db, key_store=store,
@@ -253,3 +254,33 @@ def test_keys_are_not_in_ps_output_or_the_log(tiny_dir, tmp_path):
     assert "keys: 1 of 1 tenants" in logged
     for key in (good, revoked, legacy, wrong):
         assert key not in ps and key not in logged
+
+
+def test_batch_lines_count_in_usage_not_against_the_rate_limits(keyed):
+    """A batch's tokens are the tenant's use (`wafer keys usage`), but outside its per-minute and daily
+    limits, as OpenAI keeps the Batch API's limits apart: a key of 60 tokens a minute runs a batch of
+    several times that, and its next interactive request is answered."""
+    import io
+    import json
+
+    server, keys, db = keyed
+    client = sdk(server, keys["batchy"])
+    lines = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": MODEL, "messages": MSG, "max_tokens": 3, "temperature": 0}}) + "\n"
+                    for i in range(4))
+    f = client.files.create(file=("b.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    out = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    batch_tokens = sum(o["response"]["body"]["usage"]["total_tokens"] for o in out)
+    assert len(out) == 4 and batch_tokens > 60
+    headers, _ = ask(client)  # answered: the batch's tokens are not in the minute's
+    assert headers["x-ratelimit-remaining-tokens"] == "60"
+    deadline = time.monotonic() + 10
+    key_id = next(k.id for k in KeyStore(db).keys() if k.tenant == "batchy")
+    while (use := {k: u.tokens for _, k, u in KeyStore(db).usage("0000", "batchy")}).get(key_id + "/batch") != batch_tokens:
+        assert time.monotonic() < deadline, (use, batch_tokens)
+        time.sleep(0.2)

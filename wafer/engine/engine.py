@@ -27,6 +27,7 @@ from wafer.engine.output_processor import OutputProcessor, failed_output
 from wafer.engine.pipeline.executor import PipelineExecutor
 from wafer.engine.pipeline.launch import start_pipeline
 from wafer.engine.pipeline.spec import StageFailure
+from wafer.engine.background_pace import BackgroundPace
 from wafer.engine.prompt_budget import PromptBudget
 from wafer.engine.sampler import Sampler
 from wafer.engine.scheduler import MIN_CHUNK, ScheduledSeq, Scheduler
@@ -62,6 +63,7 @@ class LLMEngine:
         self.blocks = self.kv.blocks
         self.scheduler = Scheduler(self.blocks, cfg.max_running, cfg.max_batched_tokens, cfg.prefix_caching)
         self.budget = PromptBudget(cfg.prefill_step_seconds)
+        self.pace = BackgroundPace()  # batch decoders a step takes beside interactive work
         self.sampler = Sampler(cfg.seed)
         self.stats = EngineStats()
         self.seqs: dict[int, Sequence] = {}
@@ -115,6 +117,8 @@ class LLMEngine:
         self.seqs[seq.seq_id] = seq
         self.outputs.add(seq)
         self.scheduler.add(seq)
+        if not background:
+            self.pace.interactive()
         return seq
 
     def abort(self, seq_id: int) -> None:
@@ -196,7 +200,7 @@ class LLMEngine:
         cap, per_position = self.budget.cap()
         if cap is not None:  # the drafts' rows come after the prompt chunks are chosen: room for them
             cap = max(MIN_CHUNK, int(cap - self.speculator.reserve(self.scheduler.running, per_position)))
-        scheduled = self.scheduler.schedule(cap, busy, max_seqs, per_position)
+        scheduled = self.scheduler.schedule(cap, busy, max_seqs, per_position, self.pace.rows())
         for seq in self.scheduler.preempted:  # recomputed later from its tokens: the draft's KV goes too
             self.speculator.release(seq.seq_id)
         self.scheduler.preempted.clear()
@@ -230,6 +234,7 @@ class LLMEngine:
             if item.start < seq.num_prompt:
                 self.stats.prompt_tokens += min(item.count, seq.num_prompt - item.start)
         self.budget.observe(scheduled, seconds)
+        self.pace.observe(scheduled, seconds)
         rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
         self.picker.pick(plain, rows, verifying, outputs)
         return outputs

@@ -137,7 +137,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, prefill_cap: int | None = None, busy: frozenset[int] | set[int] = frozenset(),
-                 max_seqs: int | None = None, per_position: float = 0.0) -> list[ScheduledSeq]:
+                 max_seqs: int | None = None, per_position: float = 0.0,
+                 decode_rows: int | None = None) -> list[ScheduledSeq]:
         """Decoders first (one token each), then prefill chunks while the budget lasts. With
         `prefill_cap`, prompts get at most that much work in a step, counted in tokens at position 0
         where a token at position p costs 1 + p * per_position of them (step_cost.py): the step's
@@ -152,12 +153,16 @@ class Scheduler:
 
         With pipeline stages several steps are in flight: the sequences of those (`busy`, by id) are
         left out, neither scheduled nor preempted, and a step takes at most `max_seqs` sequences so
-        that the running ones are shared among the steps."""
+        that the running ones are shared among the steps.
+
+        With `decode_rows`, background sequences decode only while the step has fewer decoders than
+        that (one at least, so that batch work moves); the others sit the step out (background_pace.py)."""
         out: list[ScheduledSeq] = []
         room = max_seqs if max_seqs is not None else len(self.running) + len(self.waiting)
         budget = self.max_batched_tokens
         prefilling: list[Sequence] = []
         urgent = self._interactive_prompt()
+        background_rows = 0  # background decoders in this step
         # Interactive sequences first (each kind in the order admitted): they take the blocks there are
         # before batch work is scheduled, and so cannot be preempted for it.
         for seq in sorted(self.running, key=lambda s: s.background):
@@ -168,7 +173,10 @@ class Scheduler:
             if len(out) + len(prefilling) >= room:
                 break
             if len(seq.tokens) - seq.num_cached == 1:
+                if seq.background and decode_rows is not None and len(out) >= decode_rows and background_rows:
+                    continue  # sits this step out, its blocks kept
                 if self._make_room(seq, seq.num_cached + 1, out, busy):
+                    background_rows += seq.background
                     self.blocks.reserve(seq.slot, seq.num_cached + 1)  # type: ignore[arg-type]
                     out.append(ScheduledSeq(seq, seq.num_cached, 1))
                     budget -= 1

@@ -37,7 +37,7 @@ from wafer.server.completions import CompletionHandler
 from wafer.server.errors import APIError, CatchAll, error_response
 from wafer.server.generation import BACKGROUND, OFF_LOOP_BYTES, ServedModel, off_loop, unless_disconnect
 from wafer.server.in_process import InProcessChat, in_process_request
-from wafer.server.caller import current_caller
+from wafer.server.caller import CALLER, Caller, current_caller
 from wafer.server.key_store import KeyStore
 from wafer.server.metrics import ServerMetrics, StatusCounter
 from wafer.server.tenants import Gate, Tenancy
@@ -328,6 +328,8 @@ def create_app(
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # a batch line is whole
         request = in_process_request(body, url, owner)
         BACKGROUND.set(True)  # this line's task and those it starts (the Responses API's turns)
+        maker = CALLER.get()  # the key that made the batch (none in a batch resumed after a restart)
+        CALLER.set(Caller(owner, maker.key if maker is not None and maker.tenant == owner else None, batch=True))
         try:
             if url == "/v1/responses":
                 response = await respond(body, request)

@@ -17,6 +17,9 @@ class Caller:
     tenant: str | None  # None on a server without keys
     key: "ApiKey | None" = None  # a key of the state database (None: a key of --api-key, or no keys)
     admin: bool = False  # may read /metrics and the dashboard
+    # A Batch API line's work: the tenant's use, written apart (`wafer keys usage` shows it as the key's
+    # id and `/batch`), and outside the key's rate limits, as OpenAI keeps the Batch API's limits apart.
+    batch: bool = False
 
 
 CALLER: ContextVar[Caller | None] = ContextVar("wafer_caller", default=None)

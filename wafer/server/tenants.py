@@ -33,6 +33,7 @@ from wafer.server.metrics import ServerMetrics
 log = logging.getLogger("wafer.server")
 
 FLUSH_SECONDS = 1.0  # how often use is written to the state database
+BATCH_USE = "/batch"  # a key's batch lines' use is written under its id and this
 
 
 def legacy_tenant(key_hash: str) -> str:
@@ -161,8 +162,8 @@ class Tenancy:
         return model in caller.key.models or aliases.get(model) in caller.key.models
 
     # --- use ---------------------------------------------------------------------------------
-    def _use(self, key: ApiKey) -> Usage:
-        slot = (today(self.limiter.clock()), key.id)
+    def _use(self, key: ApiKey, batch: bool = False) -> Usage:
+        slot = (today(self.limiter.clock()), key.id + BATCH_USE if batch else key.id)
         u = self.pending.get(slot)
         if u is None:
             u = self.pending[slot] = Usage(key.tenant)
@@ -171,15 +172,16 @@ class Tenancy:
     def _charge(self, caller: Caller, prompt: int, completion: int, cost: float) -> None:
         if caller.key is None:
             return
-        self.limiter.charge(caller.key.id, prompt + completion)
-        u = self._use(caller.key)
+        if not caller.batch:
+            self.limiter.charge(caller.key.id, prompt + completion)
+        u = self._use(caller.key, caller.batch)
         u.input_tokens += prompt
         u.output_tokens += completion
         u.cost_usd += cost
 
     def _error(self, caller: Caller, status: int) -> None:
         if caller.key is not None:
-            self._use(caller.key).errors += 1
+            self._use(caller.key, caller.batch).errors += 1
 
     def release(self, key_id: str) -> None:
         self.limiter.release(key_id)

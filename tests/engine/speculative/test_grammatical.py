@@ -19,10 +19,11 @@ from wafer.engine.speculative.grammatical import grammatical
 from wafer.engine.speculative.proposer import Draft
 from wafer.engine.speculative.verification import verify
 
-# A tool call's shape, as an agent writes it turn after turn.
-SCHEMA = {"type": "object", "properties": {"tool": {"type": "string"}, "path": {"type": "string"},
+# A tool call's shape, as an agent writes it turn after turn; its keys in another order than the
+# prompt's calls and its tool another than theirs, so that the grammar, not the model, picks some tokens.
+SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "tool": {"const": "write_file"},
                                            "line": {"type": "integer"}},
-          "required": ["tool", "path", "line"], "additionalProperties": False}
+          "required": ["path", "tool", "line"], "additionalProperties": False}
 
 
 def _grammar() -> str:

@@ -65,17 +65,18 @@ def test_a_chain_is_cut_to_its_longest_accepted_prefix_and_a_tree_to_its_accepte
     assert grammatical(Draft([a, bad, b], parents=[-1, 0, 0]), m) == Draft([a, b])
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft:self"])
 def test_greedy_under_a_grammar_with_drafts_equals_plain(smollm, calls_prompt, plain_calls, method) -> None:
     """Token for token the output of plain constrained decoding, batched; drafts were verified and
-    kept (the answer copies the prompt's JSON)."""
+    kept (the answer copies the prompt's JSON). The model as its own draft proposes what it would
+    write unconstrained: cut where the grammar picks otherwise, its KV kept only for what was kept."""
     sp = SamplingParams(max_tokens=60, temperature=0, grammar=_grammar())
-    spec = engine(smollm, method, k=6)
+    spec = engine(smollm, method, k=6, draft=smollm if method.startswith("draft") else None)
     out = spec.generate([calls_prompt, calls_prompt], sp)
     for a, b in zip(plain_calls, out):
         assert b.output_ids == a.output_ids and b.text == a.text and b.finish_reason == a.finish_reason
     st = spec.stats.spec
-    assert st.accepted_tokens > 10 and st.mean_acceptance_length > 1.5, st
+    assert st.accepted_tokens > 10 and st.mean_acceptance_length > 1.5 and st.grammar_cut_tokens > 0, st
 
 
 class _Oracle:
@@ -117,6 +118,37 @@ def test_a_draft_the_grammar_refuses_is_cut_and_every_position_is_masked(smollm,
     assert out.output_ids == want and json.loads(out.text) == json.loads(plain_calls[0].text)
     st = spec.stats.spec
     assert st.grammar_cut_tokens > 0 and st.accepted_tokens >= len(want) // 2, st
+
+
+def test_near_max_tokens_the_completion_search_still_closes_the_json(smollm, calls_prompt, plain_calls) -> None:
+    """max_tokens a few tokens short of what the model would write: verification's masks narrow to
+    the way to finish (the completion search, with the tokens left at each position), as plain
+    decoding's do, and the reply is the same valid JSON."""
+    sp = SamplingParams(max_tokens=len(plain_calls[0].output_ids) - 6, temperature=0, grammar=_grammar())
+    plain = engine(smollm).generate([calls_prompt], sp)[0]
+    spec = engine(smollm, "ngram", k=6)
+    out = spec.generate([calls_prompt], sp)[0]
+    assert out.output_ids == plain.output_ids and out.finish_reason == plain.finish_reason == "stop"
+    assert json.loads(out.text).keys() == SCHEMA["properties"].keys()
+    assert spec.stats.spec.accepted_tokens > 0
+
+
+def test_a_request_past_its_grammar_budget_in_verification_ends_alone(smollm, calls_prompt, plain_calls) -> None:
+    """The grammar budget counts the masks of verified rows: past it, the request ends with its error
+    in the verifying step, and the sequence beside it goes on."""
+    spec = engine(smollm, "ngram", k=4)
+    oracle = spec.speculator.proposer = _Oracle(plain_calls[0].output_ids, spec.constraints)
+    seq = spec.add(calls_prompt, SamplingParams(max_tokens=60, temperature=0, grammar=_grammar()))
+    other = spec.add(calls_prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while len(seq.tokens) == seq.num_prompt:
+        spec.step()
+    spec.picker.grammar_seconds_per_token = 1e-9
+    outs = [o for o in spec.step() if o.seq_id == seq.seq_id]
+    assert oracle.calls == 1 and seq.finish_reason == "error"  # a step that verified a draft of 4
+    assert outs[-1].error.startswith("GrammarTooCostly") and "grammar_ms_per_token" in outs[-1].error
+    while not other.finished:
+        spec.step()
+    assert other.finish_reason == "length" and len(other.output_ids) == 12
 
 
 def test_sampled_verification_under_a_mask_keeps_the_masked_distribution() -> None:

@@ -16,6 +16,7 @@ from wafer.engine.sampler import Sampler
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput
 from wafer.engine.speculative.grammatical import grammatical
+from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.engine.speculative.proposer import Draft
 from wafer.engine.speculative.verification import verify
 
@@ -65,18 +66,35 @@ def test_a_chain_is_cut_to_its_longest_accepted_prefix_and_a_tree_to_its_accepte
     assert grammatical(Draft([a, bad, b], parents=[-1, 0, 0]), m) == Draft([a, b])
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft:self"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "suffix-tree", "draft:self"])
 def test_greedy_under_a_grammar_with_drafts_equals_plain(smollm, calls_prompt, plain_calls, method) -> None:
     """Token for token the output of plain constrained decoding, batched; drafts were verified and
     kept (the answer copies the prompt's JSON). The model as its own draft proposes what it would
     write unconstrained: cut where the grammar picks otherwise, its KV kept only for what was kept."""
     sp = SamplingParams(max_tokens=60, temperature=0, grammar=_grammar())
-    spec = engine(smollm, method, k=6, draft=smollm if method.startswith("draft") else None)
+    sc = SpeculativeConfig.parse(method.removesuffix("-tree"), 6, "fixed")
+    sc.suffix_tree = method.endswith("-tree")
+    spec = engine(smollm, sc, draft=smollm if method.startswith("draft") else None)
+    trees = _count_trees(spec)
     out = spec.generate([calls_prompt, calls_prompt], sp)
     for a, b in zip(plain_calls, out):
         assert b.output_ids == a.output_ids and b.text == a.text and b.finish_reason == a.finish_reason
     st = spec.stats.spec
     assert st.accepted_tokens > 10 and st.mean_acceptance_length > 1.5 and st.grammar_cut_tokens > 0, st
+    assert (trees[0] > 0) == sc.suffix_tree  # trees of several paths reached verification
+
+
+def _count_trees(spec) -> list[int]:
+    """A counter of the drafts verified as trees (not chains) in `spec`'s steps."""
+    count = [0]
+    verify = spec.speculator.verify
+
+    def counting(item, *args):
+        count[0] += item.tree is not None
+        return verify(item, *args)
+
+    spec.speculator.verify = counting
+    return count
 
 
 class _Oracle:

@@ -12,7 +12,7 @@ from llguidance import LLMatcher
 
 from tests.engine.speculative.test_speculative import _tv, chat, engine
 from wafer.engine.constraints import Constraints
-from wafer.engine.sampler import Sampler
+from wafer.engine.sampler import LOGPROB_FLOOR, Sampler
 from wafer.engine.scheduler import ScheduledSeq
 from wafer.engine.sequence import SamplingParams, Sequence, SequenceOutput
 from wafer.engine.speculative.grammatical import grammatical
@@ -41,7 +41,7 @@ def calls_prompt(smollm) -> list[int]:
 
 @pytest.fixture(scope="module")
 def plain_calls(smollm, calls_prompt) -> list[Sequence]:
-    sp = SamplingParams(max_tokens=60, temperature=0, grammar=_grammar())
+    sp = SamplingParams(max_tokens=60, temperature=0, grammar=_grammar(), logprobs=2)
     out = engine(smollm).generate([calls_prompt, calls_prompt], sp)
     assert all(s.finish_reason == "stop" for s in out)
     json.loads(out[0].text)
@@ -132,8 +132,15 @@ def test_a_draft_the_grammar_refuses_is_cut_and_every_position_is_masked(smollm,
     spec = engine(smollm, "ngram", k=4)
     want = plain_calls[0].output_ids
     spec.speculator.proposer = _Oracle(want, spec.constraints)
-    out = spec.generate([calls_prompt], SamplingParams(max_tokens=60, temperature=0, grammar=_grammar()))[0]
+    sp = SamplingParams(max_tokens=60, temperature=0, grammar=_grammar(), logprobs=2)
+    out = spec.generate([calls_prompt], sp)[0]
     assert out.output_ids == want and json.loads(out.text) == json.loads(plain_calls[0].text)
+    # Logprobs of the rows as masked, as plain decoding reports them (a refused alternative at the floor).
+    plain_lp = plain_calls[0].logprobs
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in plain_lp], abs=1e-3)
+    allowed = [[t for t, v in lp.top if v > LOGPROB_FLOOR] for lp in out.logprobs]
+    assert allowed == [[t for t, v in lp.top if v > LOGPROB_FLOOR] for lp in plain_lp]
+    assert any(len(a) == 1 for a in allowed)  # a position the grammar forced: its alternative refused
     st = spec.stats.spec
     assert st.grammar_cut_tokens > 0 and st.accepted_tokens >= len(want) // 2, st
 

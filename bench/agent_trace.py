@@ -11,8 +11,8 @@ with the model's greedy output. The sessions:
 - ultra: three sub-agents each review one function (their own text), then a synthesis that sets
   their findings out verbatim, under a heading each, as Ultra's synthesis copies its sub-agents'.
 The model turns are asked for with the tools in the request and `tool_choice: "none"` (the harness
-writes the file from the reply): a reply that is a tool call runs under its JSON grammar, where
-nothing is drafted.
+writes the file from the reply); a reply that is a tool call would run under its JSON grammar,
+drafted too (drafts cut to what the grammar accepts, each verified token masked).
 
 Replay: for each tier and method (plain, ngram, draft (sol, drafted by terra), suffix, all (ngram,
 suffix and, for sol, the draft), the engine picking per sequence and step) a server is started and

@@ -6,7 +6,10 @@ Three workloads, greedy, up to 256 new tokens, 2 threads, on the default model o
   functions of Python's standard library, with the answer's first lines already written (the way
   editors ask for a rewrite), so the answer copies most of its input;
 - coding: three requests for new code, where the answer is the model's own;
-- free writing: three open prompts (a story, an essay, a letter), where little can be copied.
+- free writing: three open prompts (a story, an essay, a letter), where little can be copied;
+- tool calls: an agent's next call under its JSON Schema's grammar (as `response_format` or a tool
+  call runs), after six earlier calls of the same shape in the prompt: drafts cut to what the
+  grammar accepts, each verified token masked (llama-cpp-python does not run this one).
 `--draft terra` adds draft-model speculation with that model (same tokenizer) proposing. Each method
 runs with K fixed and with `--speculative-length adaptive` (up to K a step, as measured steps pay).
 `--tree B` adds n-gram drafts as trees: the continuations of the B latest matches of the suffix
@@ -29,6 +32,7 @@ import argparse
 import difflib
 import fnmatch
 import inspect
+import json
 import os
 import statistics
 import sys
@@ -61,7 +65,23 @@ FREE = [
 ]
 
 
-def workloads(loaded) -> dict[str, list[list[int]]]:
+# An agent's calls: (tool, the JSON Schema of its arguments, the arguments of call i).
+CALLS = [
+    ("read_file", {"path": {"type": "string"}, "start_line": {"type": "integer"}, "end_line": {"type": "integer"}},
+     lambda i: {"path": f"src/inventory/module_{i}.py", "start_line": 1, "end_line": 40 * (i + 1)}),
+    ("run_tests", {"target": {"type": "string"}, "verbose": {"type": "boolean"},
+                   "keyword": {"type": "string"}},
+     lambda i: {"target": f"tests/test_module_{i}.py", "verbose": True, "keyword": f"test_restock_{i}"}),
+    ("replace_text", {"path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}},
+     lambda i: {"path": f"src/inventory/module_{i}.py", "old": f"def total_{i}(items):",
+                "new": f"def total_{i}(items: list[Item]) -> float:"}),
+]
+
+
+def workloads(loaded) -> dict[str, list]:
+    """Per workload its prompts: token ids, or (token ids, grammar) for a reply under a grammar."""
+    from llguidance import LLMatcher
+
     def ids(text: str) -> list[int]:
         return loaded.tokenizer.encode(text, add_special_tokens=False)
 
@@ -74,8 +94,14 @@ def workloads(loaded) -> dict[str, list[list[int]]]:
         start = "\n".join(src.replace(old, new).splitlines()[:2]) + "\n"
         ask = f"Rename `{old}` to `{new}` in this code. Reply with the whole updated code.\n```python\n{src}\n```"
         grounded.append(ids(chat(ask) + "```python\n" + start))
+    calls = []
+    for tool, props, args in CALLS:
+        schema = {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+        shown = "\n".join(json.dumps({"tool": tool, "arguments": args(i)}) for i in range(6))
+        ask = f"The calls so far:\n{shown}\nWrite the arguments of the next {tool} call, on module_6, as JSON."
+        calls.append((ids(chat(ask)), LLMatcher.grammar_from_json_schema(json.dumps(schema))))
     return {"code edits": grounded, "coding": [ids(chat(p)) for p in CODING],
-            "free writing": [ids(chat(p)) for p in FREE]}
+            "free writing": [ids(chat(p)) for p in FREE], "tool calls": calls}
 
 
 def wafer_runner(loaded, spec: str, k: int, draft=None, length: str = "fixed"):
@@ -87,8 +113,9 @@ def wafer_runner(loaded, spec: str, k: int, draft=None, length: str = "fixed"):
     engine = LLMEngine(loaded, EngineConfig(max_running=1, max_model_len=4096, prefix_caching=False,
                                             speculative=SpeculativeConfig.parse(spec, k, length)), draft=draft)
 
-    def run(ids: list[int], n: int) -> tuple[list[int], float]:
-        seq = engine.add(ids, SamplingParams(max_tokens=n, temperature=0))
+    def run(prompt: list[int] | tuple[list[int], str], n: int) -> tuple[list[int], float]:
+        ids, grammar = prompt if isinstance(prompt, tuple) else (prompt, None)
+        seq = engine.add(ids, SamplingParams(max_tokens=n, temperature=0, grammar=grammar))
         first = None
         while not seq.finished:
             engine.step()
@@ -230,7 +257,8 @@ def main() -> None:
     lengths_chosen = {}
     for name, prompts in loads.items():
         runs: dict[str, Callable] = {label: plain, **{m: run for m, (_, run) in methods.items()}}
-        if lcpp is not None:
+        constrained = any(isinstance(p, tuple) for p in prompts)  # under a grammar: wafer's alone
+        if lcpp is not None and not constrained:
             runs["llama-cpp-python"] = lcpp
         before = {m: (e.stats.spec.drafts, e.stats.spec.accepted_tokens, list(e.stats.spec.accepted_per_pos),
                       dict(e.speculator.draft_length.chosen) if e.speculator.draft_length else None) for m, (e, _) in methods.items()}
@@ -250,7 +278,7 @@ def main() -> None:
             rows.append([name, method, str(tokens[method]), f"{statistics.median(speeds[method]):.1f}",
                          f"{1 + accepted / drafts:.2f}" if drafts else "-", ratio(speeds[method], base),
                          "yes" if same else "NO"])
-        if lcpp is not None:
+        if lcpp is not None and not constrained:
             rows.append([name, "llama-cpp-python", str(tokens["llama-cpp-python"]),
                          f"{statistics.median(speeds['llama-cpp-python']):.1f}", "-",
                          ratio(speeds["llama-cpp-python"], base), "-"])

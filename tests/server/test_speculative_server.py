@@ -5,6 +5,7 @@ and per step, and the dashboard's data the same."""
 from __future__ import annotations
 
 import inspect
+import json
 import textwrap
 
 import httpx
@@ -126,3 +127,48 @@ def test_prompt_lookup_asked_for_by_one_request_on_a_server_without_speculation(
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**kw, extra_body={"prompt_lookup": "yes"})
     assert e.value.body["param"] == "prompt_lookup"
+
+
+READ = {"type": "function", "function": {"name": "read_file", "description": "Reads a file of the project.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "path": {"type": "string"}, "start_line": {"type": "integer"}},
+                                             "required": ["path", "start_line"]}}}
+
+
+def _turns(n: int) -> list[dict]:
+    """An agent's conversation: n calls of the same tool with the same JSON shape, each answered."""
+    messages: list[dict] = [{"role": "user", "content": "Read the engine's modules one by one, from line 1."}]
+    for i in range(n):
+        args = json.dumps({"path": f"wafer/engine/module_{i}.py", "start_line": 1})
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": "read_file", "arguments": args}}]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": f"def f{i}():\n    return {i}\n"})
+    return messages
+
+
+def test_tool_calls_and_json_schema_replies_under_drafts_equal_plain(spec_server, server):
+    """A required tool call and a `response_format` reply, both under a grammar: drafted (the
+    conversation repeats the call's JSON) and kept, and the same call and text as without."""
+    schema = {"type": "object", "properties": {"path": {"type": "string"}, "start_line": {"type": "integer"}},
+              "required": ["path", "start_line"], "additionalProperties": False}
+    requests = [dict(tools=[READ], tool_choice="required", parallel_tool_calls=False),
+                dict(response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": schema,
+                                                                              "strict": True}})]
+    st = spec_server.engine.stats.spec
+    for extra in requests:
+        kw = dict(model=MODEL, messages=_turns(4), max_tokens=60, temperature=0, **extra)
+        plain = OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(**kw)
+        client = OpenAI(base_url=spec_server.base_url + "/v1", api_key="x", max_retries=0)
+        kept = st.accepted_tokens
+        fast = client.chat.completions.create(**kw)
+        assert st.accepted_tokens > kept, extra  # drafts under the grammar were verified and kept
+        a, b = plain.choices[0], fast.choices[0]
+        assert b.finish_reason == a.finish_reason and b.message.content == a.message.content
+        assert fast.usage.completion_tokens == plain.usage.completion_tokens
+        if "tools" in extra:
+            assert a.finish_reason == "tool_calls"
+            assert [(c.function.name, c.function.arguments) for c in b.message.tool_calls] == \
+                [(c.function.name, c.function.arguments) for c in a.message.tool_calls]
+            json.loads(b.message.tool_calls[0].function.arguments)
+        else:
+            assert json.loads(b.message.content).keys() == schema["properties"].keys()

@@ -255,7 +255,8 @@ class GrammarMatcher:
         self._failed = 0  # searches in a row that found nothing
         self._since_failed = 0  # tokens consumed since the last of them
         self._deadline = (0.0, 0.0)  # of the search under way: (perf_counter, thread_time)
-        self.seconds = 0.0  # CPU seconds its masks and searches have taken in engine steps (TokenPicker's count)
+        # CPU seconds its masks, searches and draft cuts have taken in engine steps (TokenPicker's count).
+        self.seconds = 0.0
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.inner, name)

@@ -49,24 +49,28 @@ class TokenPicker:
                 if (out := self._guard(seq, outputs, partial(self.outputs.append, seq, token, lp))) is not None:
                     outputs.append(out)
         for item, item_rows in verifying:
-            verify = partial(self.speculator.verify, item, item_rows, self.sampler, self.outputs.append)
+            mask = partial(self._mask_row, item.seq) if item.seq.matcher is not None else None
+            verify = partial(self.speculator.verify, item, item_rows, self.sampler, self.outputs.append, mask)
             if made := self._guard(item.seq, outputs, verify):
                 outputs.append(merge(made))
 
     def _mask(self, rows: torch.Tensor, seqs: list[Sequence], failed: list[SequenceOutput]) -> None:
-        """Each constrained row's grammar mask, in place, timed apart (EngineStats.last_mask_seconds),
-        and charged to its request's grammar budget."""
-        constrained = [(i, seq) for i, seq in enumerate(seqs) if seq.matcher is not None]
-        if constrained:
-            masking = time.perf_counter()
-            for i, seq in constrained:
-                tokens_left = seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt)
-                cpu = time.thread_time()
-                self._guard(seq, failed, partial(mask_logits, rows[i], seq.matcher, tokens_left))
-                spent = time.thread_time() - cpu
-                self.stats.last_mask_cpu_seconds += spent
-                self._guard(seq, failed, partial(self._charge, seq, spent))
-            self.stats.last_mask_seconds = time.perf_counter() - masking
+        """Each constrained row's grammar mask, in place (_mask_row)."""
+        for i, seq in enumerate(seqs):
+            if seq.matcher is not None:
+                self._guard(seq, failed, partial(self._mask_row, seq, rows[i]))
+
+    def _mask_row(self, seq: Sequence, row: torch.Tensor) -> None:
+        """The grammar's mask for the sequence's next token (the completion search's narrowing with
+        the tokens left from here), in place, timed apart (EngineStats.last_mask_seconds) and
+        charged to the request's grammar budget. Verification calls it for each row it samples."""
+        tokens_left = seq.params.max_tokens - (len(seq.tokens) - seq.num_prompt)
+        masking, cpu = time.perf_counter(), time.thread_time()
+        mask_logits(row, seq.matcher, tokens_left)  # a failure fails the sequence alone (the caller's guard)
+        spent = time.thread_time() - cpu
+        self.stats.last_mask_cpu_seconds += spent
+        self.stats.last_mask_seconds += time.perf_counter() - masking
+        self._charge(seq, spent)
 
     def _charge(self, seq: Sequence, seconds: float) -> None:
         """Add a step's CPU seconds of grammar work (the mask, the completion search) to the request's

@@ -11,6 +11,7 @@ the residual), which leaves the target's distribution unchanged (Leviathan et al
 A draft may be a tree of candidates sharing their prefixes, verified in the same one pass (a chain
 is its one-path case). config.py holds its settings, ngram.py and draft_model.py the proposers,
 draft_length.py the choice of each step's length, draft_tree.py a draft's shape (positions, masks,
-where an accepted path's KV goes), verification.py the acceptance rule, and speculator.py what the
-engine asks of them in a step.
+where an accepted path's KV goes), verification.py the acceptance rule, grammatical.py the cut of
+a draft under a grammar (tool calls, `response_format`; verification masks each row it samples),
+and speculator.py what the engine asks of them in a step.
 """

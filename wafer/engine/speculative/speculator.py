@@ -5,6 +5,7 @@ what the step taught the draft length."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,13 @@ from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.engine.speculative.draft_length import DraftLength
 from wafer.engine.speculative.draft_model import DraftModelProposer
 from wafer.engine.speculative.draft_tree import DraftTree, accepted_moves
+from wafer.engine.speculative.grammatical import grammatical
 from wafer.engine.speculative.ngram import NgramProposer
 from wafer.engine.speculative.picker import PickingProposer
 from wafer.engine.speculative.proposer import Draft, Proposer
 from wafer.engine.speculative.stats import SpecStats
 from wafer.engine.speculative.suffix import SuffixProposer
-from wafer.engine.speculative.verification import Append, verify
+from wafer.engine.speculative.verification import Append, Mask, verify
 from wafer.models.loader import LoadedModel
 
 log = logging.getLogger("wafer.engine")
@@ -111,8 +113,9 @@ class Speculator:
         return self.proposer is not None and num_running <= self.config.max_running
 
     def wants_drafts(self, seq: Sequence) -> bool:
-        """Not under a grammar; where the engine does not speculate, only if the request asked."""
-        return seq.matcher is None and (not self.on_request or seq.params.prompt_lookup)
+        """Any sequence, a constrained one too (its drafts cut to what its grammar accepts); where the
+        engine does not speculate, only if the request asked."""
+        return not self.on_request or seq.params.prompt_lookup
 
     def _may_draft(self, item: ScheduledSeq) -> bool:
         return item.count == 1 and item.samples and self.wants_drafts(item.seq)
@@ -189,6 +192,8 @@ class Speculator:
             return
         for item, limit, draft in zip(items, limits, self.proposer.propose([i.seq for i in items], limits)):
             draft = self._shaped(draft, limit)
+            if item.seq.matcher is not None and draft.tokens:
+                draft = self._under_grammar(item.seq, draft)
             if draft.tokens:
                 item.draft, item.draft_probs = draft.tokens, draft.probs
                 item.tree = DraftTree.of(len(draft.tokens), draft.parents) if draft.parents is not None else None
@@ -212,14 +217,27 @@ class Speculator:
             return Draft([draft.tokens[i] for i in keep], probs)
         return draft
 
+    def _under_grammar(self, seq: Sequence, draft: Draft) -> Draft:
+        """The draft cut to what the sequence's grammar accepts from its state (grammatical.py), the
+        CPU time charged to its grammar budget (TokenPicker checks it at the next mask). A draft
+        cut to nothing is told to its proposer as one that kept nothing (a draft model forgets the
+        KV of its proposal; a picker rests the method)."""
+        started = time.thread_time()
+        cut = grammatical(draft, seq.matcher)
+        seq.matcher.seconds += time.thread_time() - started
+        self.stats.grammar_cut_tokens += len(draft.tokens) - len(cut.tokens)
+        if not cut.tokens and self.proposer is not None:
+            self.proposer.verified(seq, len(seq.tokens), 0, 0)
+        return cut
+
     def follow_prompt(self, scheduled: list[ScheduledSeq], num_running: int) -> None:
         """A draft model computes the prompt chunks the target computed in this step, for the
-        sequences that may speculate: not under a grammar, not a single token, and not while more
-        run than speculate (they catch up at their first proposal, if one comes)."""
+        sequences that may speculate: not a single token, and not while more run than speculate
+        (they catch up at their first proposal, if one comes)."""
         if self.model is None or not self.active(num_running):
             return
         prompt = [item for item in scheduled if item.start < item.seq.num_prompt and not item.seq.finished
-                  and item.seq.matcher is None and item.seq.params.max_tokens > 1]
+                  and item.seq.params.max_tokens > 1]
         try:
             self.model.follow_prompt(prompt)
         except Exception:  # an optimisation: the first proposal catches up instead
@@ -227,13 +245,15 @@ class Speculator:
             for item in prompt:
                 self.model.release(item.seq.seq_id)
 
-    def verify(self, item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: Append) -> list[SequenceOutput]:
+    def verify(self, item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: Append,
+               mask: Mask | None = None) -> list[SequenceOutput]:
         """The target's logits over [last token, draft...] turned into 1 to (tree depth)+1 tokens;
-        the accepted path's KV rows moved to follow the sequence's last token (in place on a chain)."""
+        the accepted path's KV rows moved to follow the sequence's last token (in place on a chain).
+        `mask`: a constrained sequence's grammar mask, applied to each row the walk samples from."""
         seq = item.seq
         start_len = len(seq.tokens)
         method = self.method_of(seq.seq_id)  # read first: a sequence that finishes in it is released
-        outs, path = verify(item, rows, sampler, append)
+        outs, path = verify(item, rows, sampler, append, mask)
         self.stats.record(len(item.draft), len(path), method)
         if not seq.finished and seq.slot is not None and self.proposer is not None:
             src, dst = accepted_moves(start_len, path)

@@ -27,6 +27,7 @@ class SpecStats:
     decode_steps: int = 0  # a sequence decoding one token, or verifying a draft, in a step
     accepted_hist: list[int] = field(default_factory=list)  # [n]: drafts that kept n tokens
     by_method: dict[str, MethodStats] = field(default_factory=dict)
+    grammar_cut_tokens: int = 0  # drafted tokens a sequence's grammar refused, cut before verification
 
     def record(self, proposed: int, accepted: int, method: str | None = None) -> None:
         self.drafts += 1

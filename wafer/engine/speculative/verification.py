@@ -10,6 +10,10 @@ every child is rejected the token is drawn from what is left. The token is then 
 exactly as p (for one child, Leviathan et al. 2023's rejection sampling; for deterministic
 candidates, q one-hot, each rejection takes the candidate out of p), so the output is the
 target's whatever the draft.
+
+Under a grammar each row is masked, just before its token is picked, with the grammar's mask at the
+state the path kept so far leaves (the caller's `mask`; the matcher consumes each token as it is
+appended): every position is picked as plain constrained decoding would pick it there.
 """
 
 from __future__ import annotations
@@ -25,19 +29,24 @@ from wafer.engine.speculative.draft_tree import DraftTree
 
 # Appends a token (and its logprob) to a sequence and says what the caller reads of it.
 Append = Callable[[Sequence, int, TokenLogprob | None], SequenceOutput]
+# Masks a row in place as the sequence's grammar allows from where the sequence stands now.
+Mask = Callable[[torch.Tensor], None]
 
 
-def verify(item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: Append) -> tuple[list[SequenceOutput], list[int]]:
+def verify(item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: Append,
+           mask: Mask | None = None) -> tuple[list[SequenceOutput], list[int]]:
     """The sequence's new tokens from its rows (row 0 the last token's, row 1 + i node i's), each
     appended as it is kept, and the accepted path: the draft's nodes kept, from the root down. The
-    sequence's num_cached follows: its KV holds its last token and the path so far."""
+    sequence's num_cached follows: its KV holds its last token and the path so far. `mask`: the
+    sequence's grammar, applied to a row (in place) when the walk reaches it."""
     seq, draft = item.seq, item.draft
     tree = item.tree or DraftTree.of(len(draft), None)
     p = seq.params
     start_len = len(seq.tokens)
     q = item.draft_probs
-    raw_lp = torch.log_softmax(rows, dim=-1) if p.logprobs is not None else None
-    fast = p.greedy and not p.needs_processing
+    # A masked row's logprobs are of the row as masked (as plain decoding reports them): taken per row.
+    raw_lp = torch.log_softmax(rows, dim=-1) if p.logprobs is not None and mask is None else None
+    fast = p.greedy and not p.needs_processing and mask is None
     argmax = best(rows).tolist() if fast else []
     outs: list[SequenceOutput] = []
     path: list[int] = []
@@ -45,6 +54,8 @@ def verify(item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: App
     while True:
         row = node + 1
         kids = tree.children(node)
+        if mask is not None:
+            mask(rows[row])
         if fast:
             token = argmax[row]
         elif p.greedy or not kids:  # greedy keeps a draft only if it is the argmax anyway
@@ -53,7 +64,10 @@ def verify(item: ScheduledSeq, rows: torch.Tensor, sampler: Sampler, append: App
             token, _ = rejection_sample(sampler.processed(rows[row], seq), [draft[c] for c in kids],
                                         [q[c] for c in kids] if q is not None else None, sampler.generator_for(seq))
         seq.num_cached = start_len + len(path)
-        lp = token_logprob(raw_lp[row], token, p.logprobs) if raw_lp is not None and p.logprobs is not None else None
+        lp = None
+        if p.logprobs is not None:
+            row_lp = raw_lp[row] if raw_lp is not None else torch.log_softmax(rows[row], dim=-1)
+            lp = token_logprob(row_lp, token, p.logprobs)
         outs.append(append(seq, token, lp))
         # The child that proposed the token (after a rejection of all, the residual gives none of them).
         node = next((c for c in kids if draft[c] == token), -1)

@@ -172,3 +172,6 @@ def test_tool_calls_and_json_schema_replies_under_drafts_equal_plain(spec_server
             json.loads(b.message.tool_calls[0].function.arguments)
         else:
             assert json.loads(b.message.content).keys() == schema["properties"].keys()
+    # What the grammars refused of the drafts is counted as the engine counts it.
+    one = "{model_name=" + MODEL + "}"
+    assert scrape(spec_server)["wafer:spec_decode_num_grammar_cut_tokens_total" + one] == st.grammar_cut_tokens

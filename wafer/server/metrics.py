@@ -355,6 +355,9 @@ class _SpecDecodeCollector:
                                         "blocks, to be computed again (as vLLM's num_preemptions).", labels=lbl)
         steps = CounterMetricFamily("wafer:spec_decode_num_steps", "Decoding steps of a sequence, drafted or "
                                     "not: drafts over these is the share of steps that drafted.", labels=lbl)
+        cut = CounterMetricFamily("wafer:spec_decode_num_grammar_cut_tokens", "Tokens proposed for a sequence under "
+                                  "a grammar (tools, response_format) that it refused, cut before verification.",
+                                  labels=lbl)
         per_step = HistogramMetricFamily("wafer:spec_decode_accepted_tokens_per_step",
                                          "Proposed tokens kept by each step that verified a draft.", labels=lbl)
         by = lbl + ["method"]
@@ -375,6 +378,7 @@ class _SpecDecodeCollector:
             length.add_metric([name], st.mean_acceptance_length)
             preempted.add_metric([name], snap.num_preemptions)
             steps.add_metric([name], st.decode_steps)
+            cut.add_metric([name], st.grammar_cut_tokens)
             buckets, seen = [], 0
             for kept, n in enumerate(st.accepted_hist):
                 seen += n
@@ -385,7 +389,7 @@ class _SpecDecodeCollector:
                 m_drafts.add_metric([name, method], m.drafts)
                 m_tokens.add_metric([name, method], m.draft_tokens)
                 m_accepted.add_metric([name, method], m.accepted_tokens)
-        yield from (drafts, tokens, accepted, per_pos, length, preempted, steps, per_step, m_drafts, m_tokens,
+        yield from (drafts, tokens, accepted, per_pos, length, preempted, steps, cut, per_step, m_drafts, m_tokens,
                     m_accepted)
 
 

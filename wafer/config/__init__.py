@@ -11,10 +11,11 @@ from wafer.config.load import DEVICES, LoadSettings
 from wafer.config.sandbox import ProgramLimits, ProgramPoolSettings
 from wafer.config.server import REASONING_BUDGETS, ServerSettings
 from wafer.config.speculation import SPECULATIVE_LENGTHS, SpeculationSettings
-from wafer.config.tiers import NO_TOOL_CALLS, ROUTER_NAMES, ROUTING_TIERS, TIER_ALIASES, TIERS
+from wafer.config.tiers import NO_TOOL_CALLS, NO_TOOL_RESULTS, ROUTER_NAMES, ROUTING_TIERS, TIER_ALIASES, TIERS
 
 SETTINGS = (EngineSettings, CacheSettings, SpeculationSettings, LoadSettings, ServerSettings)
 
-__all__ = ["DEVICES", "KV_CACHE_DTYPES", "NO_TOOL_CALLS", "REASONING_BUDGETS", "ROUTER_NAMES", "ROUTING_TIERS", "SETTINGS",
-           "SPECULATIVE_LENGTHS", "TIERS", "TIER_ALIASES", "CacheSettings", "EngineSettings", "LoadSettings",
-           "ProgramLimits", "ProgramPoolSettings", "ServerSettings", "SpeculationSettings"]
+__all__ = ["DEVICES", "KV_CACHE_DTYPES", "NO_TOOL_CALLS", "NO_TOOL_RESULTS", "REASONING_BUDGETS", "ROUTER_NAMES",
+           "ROUTING_TIERS", "SETTINGS", "SPECULATIVE_LENGTHS", "TIERS", "TIER_ALIASES", "CacheSettings",
+           "EngineSettings", "LoadSettings", "ProgramLimits", "ProgramPoolSettings", "ServerSettings",
+           "SpeculationSettings"]

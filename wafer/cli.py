@@ -12,6 +12,7 @@ from wafer.config import (
     DEVICES,
     KV_CACHE_DTYPES,
     NO_TOOL_CALLS,
+    NO_TOOL_RESULTS,
     ROUTING_TIERS,
     SANDBOX_FLAGS,
     SPECULATIVE_LENGTHS,
@@ -257,6 +258,10 @@ def cmd_models(args: argparse.Namespace) -> int:
             print("  tools    does not call them on its own")
             if m.tier in NO_TOOL_CALLS:
                 print(f"           {m.tier}'s tool_choice auto requests with tools go to {ROUTING_TIERS['tool_calls']}")
+        elif not m.answers_tool_results:
+            print("  tools    calls them, but calls again after their result instead of answering")
+            if m.tier in NO_TOOL_RESULTS:
+                print(f"           {m.tier}'s requests ending with a tool result go to {ROUTING_TIERS['tool_results']}")
     return 1 if failed else 0
 
 

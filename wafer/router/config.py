@@ -75,6 +75,7 @@ from wafer.config import (
     MAY_BE_ZERO,
     MIN_MEMORY_BYTES,
     NO_TOOL_CALLS,
+    NO_TOOL_RESULTS,
     REASONING_BUDGETS,
     ROUTER_NAMES,
     ROUTING_TIERS,
@@ -171,6 +172,9 @@ class RoutingConfig:
     tiers: dict[str, str] = field(default_factory=lambda: dict(ROUTING_TIERS))  # rule -> tier
     # tiers whose model does not call tools: tool_choice auto requests with tools go to tiers["tool_calls"]
     no_tool_calls: list[str] = field(default_factory=lambda: list(NO_TOOL_CALLS))
+    # tiers whose model calls a tool again instead of answering from its result: requests ending with a
+    # tool result go to tiers["tool_results"]
+    no_tool_results: list[str] = field(default_factory=lambda: list(NO_TOOL_RESULTS))
 
 
 @dataclass
@@ -215,9 +219,10 @@ class ServeConfig:
         for rule, tier in self.routing.tiers.items():
             if tier not in TIERS:
                 raise ConfigError(f"routing rule {rule!r} sends to {tier!r}, which is not a tier")
-        for tier in self.routing.no_tool_calls:
-            if tier not in TIERS:
-                raise ConfigError(f"[routing] no_tool_calls names {tier!r}, which is not a tier")
+        for key in ("no_tool_calls", "no_tool_results"):
+            for tier in getattr(self.routing, key):
+                if tier not in TIERS:
+                    raise ConfigError(f"[routing] {key} names {tier!r}, which is not a tier")
 
 
 def default_config(model: str | None, names: list[str], options: dict[str, int], quant: str = LoadSettings.quant,

@@ -54,16 +54,29 @@ class Router:
 
     def _tier(self, tier: str, rule: str, body: dict[str, Any]) -> Decision:
         """The tier's targets; but a request that needs a tool call the tier's model does not make on
-        its own (tools offered, the choice left to the model) goes to the `tool_calls` rule's tier."""
-        c = self.config
-        if tier in c.routing.no_tool_calls and wants_tool_calls(body):
-            to = c.routing.tiers["tool_calls"]
-            if to != tier:
-                return Decision(c.tiers[to], to, "tool_calls")
-        return Decision(c.tiers[tier], tier, rule)
+        its own (tools offered, the choice left to the model) goes to the `tool_calls` rule's tier,
+        and one that needs an answer from a tool's result, which the tier's model does not give (it
+        calls the tool again), to the `tool_results` rule's tier; the second is asked of the first's
+        tier too."""
+        r = self.config.routing
+        if tier in r.no_tool_calls and wants_tool_calls(body) and r.tiers["tool_calls"] != tier:
+            tier, rule = r.tiers["tool_calls"], "tool_calls"
+        if tier in r.no_tool_results and wants_tool_answer(body) and r.tiers["tool_results"] != tier:
+            tier, rule = r.tiers["tool_results"], "tool_results"
+        return Decision(self.config.tiers[tier], tier, rule)
 
 
 def wants_tool_calls(body: dict[str, Any]) -> bool:
     """Tools offered and `tool_choice` auto (or left out, which is auto): the model must decide to
     call. `required` or a named function is forced by the grammar, which any model follows."""
     return bool(body.get("tools")) and body.get("tool_choice", "auto") in ("auto", None)
+
+
+def wants_tool_answer(body: dict[str, Any]) -> bool:
+    """The conversation ends with a tool's result and the reply is left to the model (`tool_choice`
+    auto, none or left out): it is due to answer from that result. `required` or a named function
+    forces another call, which any model makes."""
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    return isinstance(last, dict) and last.get("role") == "tool" \
+        and body.get("tool_choice", "auto") in ("auto", "none", None)

@@ -124,9 +124,12 @@ class ChatHandler(ReasonedChat):
         """`switches`: the template's own variables, such as `enable_thinking`."""
         template = self.m.chat_template
         try:
-            if tools and template_knows_tools(template.source):
-                return template.render(history_for_tool_template(messages), add_generation_prompt=True, tools=tools,
-                                       **switches)
+            # A template with tool support renders the calls and results of the history in the model's
+            # own format, tools offered or not (tool_choice none, or a turn that no longer offers them):
+            # Qwen2.5's merges consecutive results into one user turn and puts each call on lines of its own.
+            if template_knows_tools(template.source):
+                return template.render(history_for_tool_template(messages), add_generation_prompt=True,
+                                       tools=tools or None, **switches)
             if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
                 messages = history_for_generic_template(messages)
             if tools:

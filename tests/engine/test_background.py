@@ -188,7 +188,7 @@ def test_the_decoders_beside_interactive_work_fit_a_share_of_the_step(monkeypatc
     pace.cost = cost
     assert pace.rows() is None  # still no interactive request
     pace.interactive()
-    assert pace.rows() == 4  # twice the fixed 4 ms: 4 rows of 1 ms
+    assert pace.rows() == 2  # 1.5 times the fixed 4 ms: 2 rows of 1 ms
     clock[0] += background_pace.INTERACTIVE_RECENT_SECONDS + 1
     assert pace.rows() is None  # none lately: batch work decodes all it runs
     pace.interactive()

@@ -10,8 +10,8 @@ So while an interactive request has come within INTERACTIVE_RECENT_SECONDS, a st
 decoders takes at most BACKGROUND_STEP_GROWTH times a decode step's fixed cost, by what decode steps
 have cost (seconds = fixed + per_row * rows, fitted over recent decode-only steps), and at least one
 batch sequence decodes, so that batch work always moves. Counted against the fixed cost, the bound
-holds on any model and machine: an interactive request then waits about one fixed cost for the step
-in flight, where its own first step takes that and its prompt. With no interactive request about,
+holds on any model and machine: an interactive request then waits under one fixed cost for the step
+in flight on average, where its own first step takes that and its prompt. With no interactive request about,
 batch work decodes as many sequences as run: its throughput then costs no one.
 """
 
@@ -27,8 +27,8 @@ from wafer.engine.scheduler import ScheduledSeq
 # come tends to come again (an agent's next turn, a user's next message).
 INTERACTIVE_RECENT_SECONDS = 10.0
 # How long, in decode steps' fixed costs, a step carrying batch decoders may take while interactive
-# requests come.
-BACKGROUND_STEP_GROWTH = 2.0
+# requests come: the interactive time to first token against batch throughput (bench/batch.py).
+BACKGROUND_STEP_GROWTH = 1.5
 
 
 @dataclass

@@ -3,16 +3,15 @@
 An interactive request that arrives during a step waits for it to end before its prompt is read
 (the engine steps on the server's loop), half a step on average. Batch work sits out every step
 that reads an interactive prompt (scheduler.py), but the step in flight when the request came is
-whatever it was: with 16 batch sequences decoding on SmolLM2 (2-core EPYC), about 20 ms, and the
-interactive time to first token went from 27 ms to 36 ms at the median.
+whatever it was, and a step of every running batch sequence is several times a short one.
 
 So while an interactive request has come within INTERACTIVE_RECENT_SECONDS, a step carrying batch
 decoders takes at most BACKGROUND_STEP_GROWTH times a decode step's fixed cost, by what decode steps
 have cost (seconds = fixed + per_row * rows, fitted over recent decode-only steps), and at least one
 batch sequence decodes, so that batch work always moves. Counted against the fixed cost, the bound
 holds on any model and machine: an interactive request then waits under one fixed cost for the step
-in flight on average, where its own first step takes that and its prompt. With no interactive request about,
-batch work decodes as many sequences as run: its throughput then costs no one.
+in flight on average, where its own first step takes that and its prompt. With no interactive
+request about, batch work decodes as many sequences as run: its throughput then costs no one.
 """
 
 from __future__ import annotations

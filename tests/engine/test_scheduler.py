@@ -56,9 +56,10 @@ def test_a_prompt_alone_is_read_in_steps_of_bounded_time_too(smollm):
 def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smollm):
     """Attention makes a token at position p cost more than one at 0: with a cost learned as 1 ms a
     token plus 1% of that a position, each step's prompt work stays within 60 ms of it (a chunk of
-    at least MIN_CHUNK tokens), so the chunks shrink as the prompt goes on."""
-    from wafer.engine.scheduler import MIN_CHUNK
-    from wafer.engine.step_cost import positions_of
+    at least MIN_CHUNK tokens, or what 1.5 times that work buys far in), so the chunks shrink as the
+    prompt goes on."""
+    from wafer.engine.scheduler import FLOOR_OVERRUN, MIN_CHUNK
+    from wafer.engine.step_cost import positions_of, tokens_within
 
     engine = LLMEngine(smollm, EngineConfig(max_running=4, max_model_len=512, max_batched_tokens=256,
                                             prefix_caching=False, prefill_step_seconds=0.06))
@@ -75,9 +76,11 @@ def test_a_chunk_far_into_a_long_prompt_is_smaller_as_its_tokens_cost_more(smoll
         engine.step()
         chunks.append((before, seq.num_cached - before))
     assert sum(n for _, n in chunks) >= 299
-    for start, n in chunks[:-1]:
-        assert n + per_position * positions_of(start, n) <= 60 or n == MIN_CHUNK, chunks
-    assert chunks[0][1] == 48 and chunks[-2][1] == MIN_CHUNK, chunks  # 48 at the start, the least far in
+    for start, n in chunks[:-1]:  # within the step's work, or the floor: MIN_CHUNK, or what 1.5 x 60 buys there
+        floor = min(MIN_CHUNK, tokens_within(FLOOR_OVERRUN * 60, start, per_position))
+        assert n + per_position * positions_of(start, n) <= 60 or n == floor, chunks
+        assert n + per_position * positions_of(start, n) <= FLOOR_OVERRUN * 60, chunks
+    assert chunks[0][1] == 48 and chunks[-2][1] < MIN_CHUNK, chunks  # 48 at the start, under the floor far in
 
 
 def test_the_cost_of_a_token_is_learned_from_prompt_steps(smollm):
@@ -268,10 +271,12 @@ def test_a_burst_with_one_system_prompt_computes_it_once(smollm):
 def test_a_long_prompt_beside_decoders_is_read_in_chunks_of_min_chunk_or_more_and_none_of_them_waits():
     """Issue 54's probe: on a loaded machine the learned cost of a token shrank the step's prompt
     work to 8 tokens, and a 3,495-token prompt beside 4 streams took 127 s (3 s alone). However small
-    the cap, each step decodes every stream and reads MIN_CHUNK or more of the prompt."""
+    the cap, each step decodes every stream and reads MIN_CHUNK tokens of the prompt, or as many as
+    1.5 times that work buys far into it."""
     from wafer.engine.kv_layout import BLOCK
-    from wafer.engine.scheduler import MIN_CHUNK
+    from wafer.engine.scheduler import FLOOR_OVERRUN, MIN_CHUNK
     from wafer.engine.sequence import Sequence
+    from wafer.engine.step_cost import positions_of, tokens_within
 
     blocks, sched = _small_scheduler(num_blocks=5 * (4096 // BLOCK), max_len=4096, slots=5)
     streams = [Sequence(list(range(1, 200)), SamplingParams(max_tokens=3000)) for _ in range(4)]
@@ -283,8 +288,9 @@ def test_a_long_prompt_beside_decoders_is_read_in_chunks_of_min_chunk_or_more_an
         s.tokens.append(7)
     prompt = Sequence(list(range(500, 500 + 3495)), SamplingParams(max_tokens=1))
     sched.add(prompt)
-    steps = []
+    steps, starts = [], []
     while prompt.num_cached < len(prompt.tokens) and len(steps) < 1000:
+        starts.append(prompt.num_cached)
         out = sched.schedule(prefill_cap=8, per_position=1.5e-3)  # the loaded machine's cap, and attention's cost
         _computed(blocks, out)
         for item in out:
@@ -293,5 +299,16 @@ def test_a_long_prompt_beside_decoders_is_read_in_chunks_of_min_chunk_or_more_an
         steps.append(([i.seq for i in out if i.seq is not prompt], sum(i.count for i in out if i.seq is prompt)))
     assert all(decoders == streams for decoders, _ in steps), "a step left a stream waiting"
     chunks = [n for _, n in steps]
-    assert min(chunks[:-1]) >= MIN_CHUNK >= 32, chunks
-    assert len(steps) <= -(-3495 // MIN_CHUNK), len(steps)
+    # Each chunk MIN_CHUNK tokens, or what FLOOR_OVERRUN times the step's work (at least MIN_CHUNK
+    # tokens at position 0) buys at its position, whichever is fewer: never the cap's 8 tokens near
+    # the start, and never a chunk that holds the loop for several times the step's work far in.
+    floors = [min(MIN_CHUNK, tokens_within(FLOOR_OVERRUN * MIN_CHUNK, start, 1.5e-3)) for start in starts]
+    assert all(n >= f for n, f in zip(chunks[:-1], floors)), (chunks, floors)
+    assert min(chunks[:8]) >= MIN_CHUNK >= 32, chunks
+    assert all(n + 1.5e-3 * positions_of(start, n) <= FLOOR_OVERRUN * MIN_CHUNK + 1e-9
+               for start, n in zip(starts, chunks)), chunks
+    # Each step but the last reads at least MIN_CHUNK tokens' work at position 0: 3,495 tokens whose
+    # work grows to 6 tokens' a token, about 12,700 tokens' work, take at most 397 steps (279 here;
+    # in chunks of 8, 437).
+    assert all(n + 1.5e-3 * positions_of(start, n) >= MIN_CHUNK for start, n in zip(starts[:-1], chunks[:-1]))
+    assert len(steps) <= 12_700 // MIN_CHUNK + 1, len(steps)

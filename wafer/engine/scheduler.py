@@ -26,13 +26,16 @@ from wafer.engine.speculative.draft_tree import DraftTree
 from wafer.engine.step_cost import positions_of, tokens_within
 
 # A prompt that gets a chunk in a step gets at least this many of its tokens (or its rest), however
-# far into a long context it is and however little of the step's prompt work is left, and a step's
-# prompt work is never less than this many tokens at position 0. A step costs its decoders, its
-# sampling and its loop's turn whatever its chunk: in chunks of 8 a long prompt pays that many times
-# over (on a loaded machine, where the learned cost of a token had shrunk the budget to 8, a
-# 3,495-token prompt took 127 s beside 4 streams where alone it took 3 s), and the streams beside
-# it, each step a token, wait through all of those steps.
+# little of the step's prompt work is left, unless that many at its position cost more than
+# FLOOR_OVERRUN times the step's prompt work; and a step's prompt work is never less than this many
+# tokens at position 0. A step costs its decoders, its sampling and its loop's turn whatever its
+# chunk: in chunks of 8 a long prompt pays that many times over, and the streams beside it, each step
+# a token, wait through all of those steps.
 MIN_CHUNK = 32
+# How far past the step's prompt work a chunk may go to read MIN_CHUNK tokens. Deep in a long context
+# a token costs several times what it costs at position 0, and a floor counted in tokens alone held
+# the server's loop for two and more times the step's budget.
+FLOOR_OVERRUN = 1.5
 # The share of a step's prompt work (prefill_step_ms) that background prompts may take: a step is
 # what an interactive request that arrives during it waits for before its own prompt is read, and
 # batch work keeps those steps short.
@@ -144,7 +147,7 @@ class Scheduler:
         where a token at position p costs 1 + p * per_position of them (step_cost.py): the step's
         length is how long every decoder waits for its next token, and how long the server's loop,
         which steps the engine, answers no one. A prompt that gets a chunk gets at least MIN_CHUNK
-        tokens of it.
+        tokens of it, or what FLOOR_OVERRUN times the step's prompt work buys at its position.
 
         Running sequences are served in the order they were admitted, interactive ones first. When
         the cache has no block for one of them, a background sequence is preempted, else the one admitted last: its blocks go back (its full ones
@@ -184,10 +187,14 @@ class Scheduler:
                 prefilling.append(seq)
         work = float(max(MIN_CHUNK, prefill_cap)) if prefill_cap is not None else math.inf
         background_work = work * BACKGROUND_PROMPT_SHARE
+        overrun = work * (FLOOR_OVERRUN - 1)  # the prompt work chunks of the floor may add past the step's
 
         def within(start: int, background: bool) -> int:  # prompt tokens from `start` that the work left allows
             left = min(work, background_work) if background else work
-            return budget if left == math.inf else max(MIN_CHUNK, tokens_within(left, start, per_position))
+            if left == math.inf:
+                return budget
+            floor = min(MIN_CHUNK, tokens_within(left + overrun, start, per_position))
+            return max(floor, tokens_within(left, start, per_position))
 
         def spend(start: int, n: int, background: bool) -> None:
             nonlocal budget, work, background_work

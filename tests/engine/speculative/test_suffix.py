@@ -10,6 +10,7 @@ from wafer.engine.sequence import SamplingParams, Sequence
 from wafer.engine.speculative.config import SpeculativeConfig
 from wafer.engine.speculative.ngram import NgramProposer
 from wafer.engine.speculative.picker import PRIOR, PickingProposer
+from wafer.engine.speculative.proposer import Draft
 from wafer.engine.speculative.suffix import SuffixProposer
 from wafer.engine.speculative.suffix_index import LiveIndex, OutputStore, SuffixParams, speculate
 
@@ -151,3 +152,46 @@ def test_suffix_and_auto_greedy_equal_plain(smollm) -> None:
         assert on.speculator.proposer is not None
         if spec == "suffix":  # the second request drafts from the first's output: it keeps more
             assert st.accepted_tokens - kept_first > kept_first
+
+
+def test_the_picker_asks_the_draft_model_only_while_its_tokens_save_more_than_they_cost(monkeypatch) -> None:
+    """A step of the target takes 40 ms and a drafted token 15 ms (a clock the test moves): a draft
+    model whose tokens are kept half the time saves 20 ms a token and is asked; once its rate falls
+    under 15/40 it is not, and a new sequence starts from that rate, not the prior."""
+    from wafer.engine.speculative import picker as picking
+
+    clock = [0.0]
+    monkeypatch.setattr(picking.time, "perf_counter", lambda: clock[0])
+
+    class Model:
+        catch_up_seconds = 0.0
+
+        def propose(self, seqs, limits):
+            clock[0] += 0.015 * max(limits)  # a forward pass a token, every sequence at once
+            return [Draft([1] * k) for k in limits]
+
+        def verified(self, *a):
+            pass
+
+        def release(self, seq_id):
+            pass
+
+    picker = PickingProposer(None, None, Model())
+    seq = Sequence([4, 5, 6, 7], SamplingParams())
+
+    def step(kept: int) -> bool:
+        d = picker.propose([seq], [4])[0]
+        if d.tokens:
+            picker.verified(seq, len(seq.tokens), kept, len(d.tokens))
+        clock[0] += 0.040  # the target's step
+        return bool(d.tokens)
+
+    assert step(2)  # nothing measured: asked, and its cost measured
+    assert picker.draft_token_seconds == pytest.approx(0.015)
+    asked = [step(2) for _ in range(5)]  # half kept: 0.5 x 40 ms > 15 ms
+    assert all(asked) and picker.step_seconds == pytest.approx(0.040), asked
+    asked = [step(0 if i < 6 else 4) for i in range(30)]  # none kept: its rate falls, then it is not asked
+    assert not any(asked[-10:]), asked
+    assert picker.draft_rate < 0.015 / 0.040
+    other = Sequence([9, 9, 9], SamplingParams())
+    assert picker.propose([other], [4])[0].tokens == []  # a new sequence starts from the low rate

@@ -361,8 +361,11 @@ def test_the_batch_example_runs_as_written(make_serve):
     (lang, code), = blocks(section(README.read_text(), "Batch API"))
     out = run_block(lang, at(make_serve, code)).splitlines()
     assert out[0].startswith("completed ") and "completed=3, failed=0, total=3" in out[0], out
-    assert [line.split()[0] for line in out[1:]] == ["q1", "q2", "q3"], out
-    assert all(len(line.split()) > 1 for line in out[1:]), out  # each with its answer
+    # Each custom id with its answer after it (an answer may run over several lines, blank ones too).
+    ids = [i for i, line in enumerate(out) if line.split()[:1] in (["q1"], ["q2"], ["q3"])]
+    assert [out[i].split()[0] for i in ids] == ["q1", "q2", "q3"] and ids[0] == 1, out
+    answers = ["\n".join(out[i:j]).split(None, 1)[1:] for i, j in zip(ids, ids[1:] + [len(out)])]
+    assert all(a and a[0].strip() for a in answers), out
 
 
 def test_every_readme_example_is_run_by_a_test():

@@ -169,16 +169,17 @@ def test_a_step_decodes_batch_sequences_up_to_its_rows_and_one_at_least():
 
 def test_the_decoders_beside_interactive_work_fit_a_share_of_the_step(monkeypatch):
     from wafer.engine import background_pace
-    from wafer.engine.background_pace import BackgroundPace, DecodeCost
+    from wafer.engine.background_pace import BackgroundPace
+    from wafer.engine.step_cost import StepCost
 
-    cost = DecodeCost()
+    cost = StepCost(decay=0.9)  # as the pace fits decode steps: one "token" a step, its rows as "positions"
     for rows in (16, 1, 4, 16, 2, 8):
-        cost.observe(rows, 0.004 + 0.001 * rows)
+        cost.observe(1, rows, 0.004 + 0.001 * rows)
     fixed, per_row = cost.coefficients()
     assert abs(fixed - 0.004) < 1e-9 and abs(per_row - 0.001) < 1e-9
-    same = DecodeCost()
+    same = StepCost(decay=0.9)
     for _ in range(3):
-        same.observe(16, 0.020)
+        same.observe(1, 16, 0.020)
     assert same.coefficients() == pytest.approx((0.020, 0.0))  # rows never varied: their mean, no per-row cost
 
     clock = [100.0]

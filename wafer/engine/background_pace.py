@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 from wafer.engine.scheduler import ScheduledSeq
+from wafer.engine.step_cost import StepCost
 
 # An interactive request within this many seconds keeps batch steps short: traffic that has just
 # come tends to come again (an agent's next turn, a user's next message).
@@ -30,38 +30,11 @@ INTERACTIVE_RECENT_SECONDS = 10.0
 BACKGROUND_STEP_GROWTH = 1.5
 
 
-@dataclass
-class DecodeCost:
-    """seconds = fixed + per_row * rows over decode-only steps, each older one weighing `decay` of
-    the one after."""
-
-    decay: float = 0.9
-    # Weighted sums: 1, rows, rows^2, seconds, rows*seconds.
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        s = [v * self.decay for v in self._sums]
-        x = float(rows)
-        self._sums = [s[0] + 1, s[1] + x, s[2] + x * x, s[3] + seconds, s[4] + x * seconds]
-
-    def coefficients(self) -> tuple[float, float] | None:
-        """(fixed, per_row) in seconds; None before any step. Where the steps seen all had about the
-        same rows, per_row is 0 and fixed their mean."""
-        n, sx, sxx, sy, sxy = self._sums
-        if n <= 0:
-            return None
-        det = n * sxx - sx * sx
-        if det > 1e-6 * n * sxx:
-            per_row = (n * sxy - sx * sy) / det
-            fixed = (sy - per_row * sx) / n
-            if per_row > 0 and fixed >= 0:
-                return fixed, per_row
-        return sy / n, 0.0
-
-
 class BackgroundPace:
     def __init__(self) -> None:
-        self.cost = DecodeCost()
+        # seconds = fixed * 1 + per_row * rows: step_cost.py's fit, its "tokens" one a step and its
+        # "positions" the step's rows; each older step weighing 0.9 of the one after.
+        self.cost = StepCost(decay=0.9)
         self.last_interactive = -math.inf
 
     def interactive(self) -> None:
@@ -86,4 +59,4 @@ class BackgroundPace:
         """Learn from a step that read no prompt: its rows and how long it took."""
         if scheduled and all(item.count == 1 + len(item.draft) and item.start >= item.seq.num_prompt
                              for item in scheduled):
-            self.cost.observe(sum(item.count for item in scheduled), seconds)
+            self.cost.observe(1, sum(item.count for item in scheduled), seconds)
